@@ -1,0 +1,780 @@
+//! The consumer: the dedup-and-commit-then-ack algorithm of DESIGN.md, in one place.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use futures::{FutureExt, StreamExt};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, field};
+
+use crate::error::{ConsumerError, ErrorKind, HandlerError, StoreError, TransportError};
+use crate::handler::Handler;
+use crate::id::{ConsumerName, IdStrategy, MessageId};
+use crate::message::{Message, OutgoingMessage};
+use crate::metrics::Metrics;
+use crate::retry::RetryPolicy;
+use crate::store::{Claim, InboxStore};
+use crate::transport::{AckToken, Delivery, Subscription, Transport};
+
+/// Headers a dead letter carries besides the original ones.
+pub mod dead_letter_headers {
+    /// Why the message was dead-lettered.
+    pub const REASON: &str = "x-inbox-reason";
+    /// The consumer that gave up on it.
+    pub const CONSUMER: &str = "x-inbox-consumer";
+    /// Attempts made.
+    pub const ATTEMPTS: &str = "x-inbox-attempts";
+    /// The source it was consumed from (where a replay publishes it again).
+    pub const SOURCE: &str = "x-inbox-source";
+    /// The message id, when it had a valid one.
+    pub const MESSAGE_ID: &str = "x-inbox-message-id";
+    /// The record's coordinates, where the transport has them.
+    pub const COORDINATES: &str = "x-inbox-coordinates";
+}
+
+/// Counts of what one consumer did, since it was built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct ConsumerReport {
+    /// Deliveries received from the transport.
+    pub deliveries: u64,
+    /// Messages handled and committed.
+    pub processed: u64,
+    /// Deliveries discarded because the message was already processed or dead-lettered.
+    pub duplicates_discarded: u64,
+    /// Failed handler attempts (each retry that fails counts).
+    pub failed: u64,
+    /// Messages dead-lettered (by this consumer's instances).
+    pub dead_lettered: u64,
+    /// Deliveries handed back to the broker for redelivery.
+    pub requeued: u64,
+    /// Acks that did not reach the broker (the copy it redelivers is discarded).
+    pub ack_failures: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    deliveries: AtomicU64,
+    processed: AtomicU64,
+    duplicates: AtomicU64,
+    failed: AtomicU64,
+    dead_lettered: AtomicU64,
+    requeued: AtomicU64,
+    ack_failures: AtomicU64,
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Settings of a consumer; see the setters on [`Consumer`].
+#[derive(Debug, Clone)]
+struct Settings {
+    concurrency: usize,
+    prefetch: Option<u16>,
+    id_strategy: IdStrategy,
+    retry: RetryPolicy,
+    dead_letter_destination: Option<String>,
+    max_payload_bytes: usize,
+    handler_timeout: Option<Duration>,
+    reconnect: RetryPolicy,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            concurrency: 8,
+            prefetch: None,
+            id_strategy: IdStrategy::default(),
+            retry: RetryPolicy::default(),
+            dead_letter_destination: None,
+            max_payload_bytes: 1024 * 1024,
+            handler_timeout: None,
+            reconnect: RetryPolicy::default().with_delays(Duration::from_millis(100), Duration::from_secs(5)),
+        }
+    }
+}
+
+/// A consumer: takes deliveries from a [`Transport`], dedups them through an [`InboxStore`],
+/// runs the [`Handler`] in the inbox transaction, commits, and only then acks.
+///
+/// Cloning gives another handle on the same consumer (same counters); each
+/// [`run`](Self::run) is one competing instance.
+pub struct Consumer<S: InboxStore, H> {
+    inner: Arc<Inner<S, H>>,
+}
+
+impl<S: InboxStore, H> Clone for Consumer<S, H> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+struct Inner<S: InboxStore, H> {
+    name: ConsumerName,
+    source: String,
+    transport: Arc<dyn Transport>,
+    store: S,
+    handler: H,
+    settings: Settings,
+    counters: Counters,
+}
+
+impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
+    /// A consumer named `name` of `source`, with the default settings: 8 handlers in flight, id
+    /// from the broker's id property or the `message-id` header, 5 attempts, dead letters to
+    /// `"<source>.dead-letter"`, payloads up to 1 MiB.
+    pub fn new(
+        name: ConsumerName,
+        source: impl Into<String>,
+        transport: Arc<dyn Transport>,
+        store: S,
+        handler: H,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                name,
+                source: source.into(),
+                transport,
+                store,
+                handler,
+                settings: Settings::default(),
+                counters: Counters::default(),
+            }),
+        }
+    }
+
+    fn settings_mut(&mut self) -> &mut Settings {
+        &mut Arc::get_mut(&mut self.inner)
+            .expect("configure a consumer before cloning or running it")
+            .settings
+    }
+
+    /// Handlers in flight at once per instance (at least 1).
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.settings_mut().concurrency = n.max(1);
+        self
+    }
+
+    /// Unacknowledged deliveries the broker may hand an instance (default: twice the
+    /// concurrency).
+    pub fn prefetch(mut self, n: u16) -> Self {
+        self.settings_mut().prefetch = Some(n.max(1));
+        self
+    }
+
+    /// Where message ids come from.
+    pub fn id_strategy(mut self, strategy: IdStrategy) -> Self {
+        self.settings_mut().id_strategy = strategy;
+        self
+    }
+
+    /// Retries and the attempt limit.
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.settings_mut().retry = policy;
+        self
+    }
+
+    /// Backoff while the database or the broker is unreachable.
+    pub fn reconnect_backoff(mut self, policy: RetryPolicy) -> Self {
+        self.settings_mut().reconnect = policy;
+        self
+    }
+
+    /// Where dead letters are published (default `"<source>.dead-letter"`).
+    pub fn dead_letter_to(mut self, destination: impl Into<String>) -> Self {
+        self.settings_mut().dead_letter_destination = Some(destination.into());
+        self
+    }
+
+    /// Payloads larger than this are dead-lettered unhandled.
+    pub fn max_payload_bytes(mut self, n: usize) -> Self {
+        self.settings_mut().max_payload_bytes = n;
+        self
+    }
+
+    /// A handler that runs longer fails transiently (its transaction is rolled back).
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.settings_mut().handler_timeout = Some(timeout);
+        self
+    }
+
+    /// The consumer's name.
+    pub fn name(&self) -> &ConsumerName {
+        &self.inner.name
+    }
+
+    /// The store, for the application's own reads.
+    pub fn store(&self) -> &S {
+        &self.inner.store
+    }
+
+    /// Counts so far, over all instances of this consumer.
+    pub fn report(&self) -> ConsumerReport {
+        let c = &self.inner.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ConsumerReport {
+            deliveries: get(&c.deliveries),
+            processed: get(&c.processed),
+            duplicates_discarded: get(&c.duplicates),
+            failed: get(&c.failed),
+            dead_lettered: get(&c.dead_lettered),
+            requeued: get(&c.requeued),
+            ack_failures: get(&c.ack_failures),
+        }
+    }
+
+    /// Consumes until `shutdown` is cancelled, then stops taking deliveries, lets the handlers in
+    /// flight finish (commit, ack), hands back what waits for a retry, and returns.
+    ///
+    /// Transient failures — a lost broker connection, an unreachable database — are retried with
+    /// backoff inside. It returns an error only for what retrying cannot fix (a missing inbox
+    /// table, a refused subscription).
+    pub async fn run(&self, shutdown: CancellationToken) -> Result<ConsumerReport, ConsumerError> {
+        let inner = &self.inner;
+        let metrics = Arc::new(Metrics::new(&inner.name, inner.transport.name()));
+        let stop = shutdown.child_token();
+        let permits = Arc::new(Semaphore::new(inner.settings.concurrency));
+        let prefetch = inner
+            .settings
+            .prefetch
+            .unwrap_or_else(|| u16::try_from(inner.settings.concurrency * 2).unwrap_or(u16::MAX));
+        let subscription = Subscription::new(inner.source.clone(), inner.name.clone(), prefetch);
+        let mut tasks: JoinSet<Result<(), ConsumerError>> = JoinSet::new();
+        let mut fatal: Option<ConsumerError> = None;
+        let mut reconnect = inner.settings.reconnect.delays();
+
+        'subscribe: while !stop.is_cancelled() {
+            let subscribed = tokio::select! {
+                biased;
+                () = stop.cancelled() => break,
+                s = inner.transport.subscribe(&subscription) => s,
+            };
+            let mut stream = match subscribed {
+                Ok(stream) => stream,
+                Err(e) if e.is_transient() => {
+                    tracing::warn!(consumer = %inner.name, error = %e, "subscribe failed; retrying");
+                    if !sleep_unless_stopped(next_delay(&mut reconnect), &stop).await {
+                        break;
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    fatal = Some(ConsumerError::Transport(e));
+                    break;
+                }
+            };
+            tracing::info!(consumer = %inner.name, source = %inner.source, transport = inner.transport.name(), "consuming");
+            loop {
+                let permit = tokio::select! {
+                    biased;
+                    () = stop.cancelled() => break 'subscribe,
+                    p = Arc::clone(&permits).acquire_owned() => p.expect("the semaphore is never closed"),
+                };
+                let next = tokio::select! {
+                    biased;
+                    () = stop.cancelled() => break 'subscribe,
+                    next = stream.next() => next,
+                };
+                match next {
+                    Some(Ok(delivery)) => {
+                        reconnect = inner.settings.reconnect.delays();
+                        let inner = Arc::clone(inner);
+                        let metrics = Arc::clone(&metrics);
+                        let stop = stop.clone();
+                        tasks.spawn(async move {
+                            let result = inner.process(delivery, &metrics, &stop).await;
+                            drop(permit);
+                            result
+                        });
+                    }
+                    Some(Err(e)) if !e.is_transient() => {
+                        fatal = Some(ConsumerError::Transport(e));
+                        break 'subscribe;
+                    }
+                    Some(Err(e)) => {
+                        tracing::warn!(consumer = %inner.name, error = %e, "delivery stream failed; subscribing again");
+                        break;
+                    }
+                    None => {
+                        tracing::warn!(consumer = %inner.name, "delivery stream ended; subscribing again");
+                        break;
+                    }
+                }
+                while let Some(done) = tasks.try_join_next() {
+                    if let Some(e) = task_failure(done) {
+                        fatal.get_or_insert(e);
+                        stop.cancel();
+                    }
+                }
+            }
+            if !sleep_unless_stopped(next_delay(&mut reconnect), &stop).await {
+                break;
+            }
+        }
+        // Drain: in-flight handlers finish and ack; waiting retries are handed back.
+        while let Some(done) = tasks.join_next().await {
+            if let Some(e) = task_failure(done) {
+                fatal.get_or_insert(e);
+            }
+        }
+        match fatal {
+            Some(e) => Err(e),
+            None => Ok(self.report()),
+        }
+    }
+}
+
+fn task_failure(done: Result<Result<(), ConsumerError>, tokio::task::JoinError>) -> Option<ConsumerError> {
+    match done {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(e),
+        Err(join) => {
+            // Our own code panicked (handler panics are caught earlier): the delivery was dropped,
+            // so the broker redelivers it.
+            tracing::error!(error = %join, "inbox delivery task failed");
+            None
+        }
+    }
+}
+
+fn next_delay(delays: &mut impl Iterator<Item = Duration>) -> Duration {
+    delays.next().unwrap_or(Duration::from_secs(1))
+}
+
+/// Sleeps; false when the stop token fired first.
+async fn sleep_unless_stopped(delay: Duration, stop: &CancellationToken) -> bool {
+    tokio::select! {
+        biased;
+        () = stop.cancelled() => false,
+        () = tokio::time::sleep(delay) => true,
+    }
+}
+
+/// Why an attempt failed, with what that means for the message.
+struct Failure {
+    kind: ErrorKind,
+    reason: String,
+}
+
+impl Failure {
+    fn transient(reason: impl Into<String>) -> Self {
+        Self {
+            kind: ErrorKind::Transient,
+            reason: reason.into(),
+        }
+    }
+}
+
+impl From<HandlerError> for Failure {
+    fn from(e: HandlerError) -> Self {
+        Self {
+            kind: e.kind(),
+            reason: error_chain(e.inner()),
+        }
+    }
+}
+
+/// An error and its sources, joined: what `last_error` and the dead-letter reason say.
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(e) = source {
+        let next = e.to_string();
+        if !text.contains(&next) {
+            text.push_str(": ");
+            text.push_str(&next);
+        }
+        source = e.source();
+    }
+    text
+}
+
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-text panic payload".to_owned())
+}
+
+/// How one delivery ended, for the span and the logs.
+#[derive(Debug, Clone, Copy)]
+enum Outcome {
+    Processed,
+    Duplicate,
+    DeadLettered,
+    Requeued,
+    /// Shutdown came while the message waited for a retry: handed back to the broker.
+    HandedBack,
+}
+
+impl Outcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Processed => "processed",
+            Outcome::Duplicate => "duplicate",
+            Outcome::DeadLettered => "dead_lettered",
+            Outcome::Requeued => "requeued",
+            Outcome::HandedBack => "handed_back",
+        }
+    }
+}
+
+impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
+    async fn process(
+        &self,
+        delivery: Box<dyn Delivery>,
+        metrics: &Metrics,
+        stop: &CancellationToken,
+    ) -> Result<(), ConsumerError> {
+        let span = tracing::info_span!(
+            "inbox.delivery",
+            consumer = %self.name,
+            transport = self.transport.name(),
+            message_id = field::Empty,
+            attempt = field::Empty,
+            outcome = field::Empty,
+        );
+        async {
+            bump(&self.counters.deliveries);
+            let outcome = self.process_inner(delivery, metrics, stop).await?;
+            tracing::Span::current().record("outcome", outcome.as_str());
+            tracing::debug!(outcome = outcome.as_str(), "delivery settled");
+            Ok(())
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn process_inner(
+        &self,
+        delivery: Box<dyn Delivery>,
+        metrics: &Metrics,
+        stop: &CancellationToken,
+    ) -> Result<Outcome, ConsumerError> {
+        let span = tracing::Span::current();
+        let id = match self.settings.id_strategy.extract(&*delivery) {
+            Ok(id) => id,
+            Err(invalid) => {
+                span.record("message_id", "<invalid>");
+                let reason = format!("invalid message id: {invalid}");
+                return Ok(self.dead_letter_unrecorded(delivery, None, 0, reason, metrics, stop).await);
+            }
+        };
+        span.record("message_id", id.as_str());
+        if delivery.payload().len() > self.settings.max_payload_bytes {
+            let reason = format!(
+                "payload of {} bytes exceeds the limit of {} bytes",
+                delivery.payload().len(),
+                self.settings.max_payload_bytes
+            );
+            return self.dead_letter_after_failure(delivery, &id, 1, reason, metrics, stop).await;
+        }
+
+        let mut retry_delays = self.settings.retry.delays();
+        let mut outage_delays = self.settings.reconnect.delays();
+        let mut local_retries = 0u32;
+        loop {
+            let mut tx = match self.store.begin().await {
+                Ok(tx) => tx,
+                Err(e) => {
+                    if self.wait_out_store_error(e, &mut outage_delays, stop).await? {
+                        continue;
+                    }
+                    return Ok(self.hand_back(delivery).await);
+                }
+            };
+            let claimed = metrics.time_claim(self.store.claim(&mut tx, &self.name, &id)).await;
+            let claim = match claimed {
+                Ok(claim) => claim,
+                Err(e) => {
+                    drop(tx);
+                    if self.wait_out_store_error(e, &mut outage_delays, stop).await? {
+                        continue;
+                    }
+                    return Ok(self.hand_back(delivery).await);
+                }
+            };
+            outage_delays = self.settings.reconnect.delays();
+            let (attempts, last_error) = match claim {
+                Claim::Done | Claim::Dead => {
+                    let _ = self.store.rollback(tx).await;
+                    self.ack(delivery).await;
+                    bump(&self.counters.duplicates);
+                    metrics.duplicate();
+                    return Ok(Outcome::Duplicate);
+                }
+                Claim::Claimed { attempts, last_error } => (attempts, last_error),
+            };
+            let attempt = attempts
+                .saturating_add(1)
+                .max(delivery.delivery_count().unwrap_or(1));
+            span.record("attempt", attempt);
+            if attempt > self.settings.retry.max_attempts {
+                let reason = format!(
+                    "gave up after {} attempts; last error: {}",
+                    attempt - 1,
+                    last_error.as_deref().unwrap_or("none recorded (the broker redelivered it that often)")
+                );
+                return self.dead_letter_claimed(tx, delivery, &id, attempt - 1, reason, metrics, stop).await;
+            }
+
+            let failure = match self.run_handler(&id, &*delivery, attempt, &mut tx, metrics).await {
+                Ok(()) => match self.store.commit(tx).await {
+                    Ok(()) => {
+                        self.ack(delivery).await;
+                        bump(&self.counters.processed);
+                        metrics.processed();
+                        return Ok(Outcome::Processed);
+                    }
+                    // The commit may or may not have happened: retry; a redelivery finds the row
+                    // if it did.
+                    Err(e) => Failure {
+                        kind: e.kind(),
+                        reason: format!("commit failed (outcome unknown): {}", error_chain(&e)),
+                    },
+                },
+                Err(failure) => {
+                    let _ = self.store.rollback(tx).await;
+                    failure
+                }
+            };
+            bump(&self.counters.failed);
+            metrics.failed();
+            if failure.kind == ErrorKind::Permanent {
+                tracing::warn!(error = %failure.reason, "permanent failure; dead-lettering");
+                return self.dead_letter_after_failure(delivery, &id, attempt, failure.reason, metrics, stop).await;
+            }
+            tracing::warn!(attempt, error = %failure.reason, "attempt failed");
+            if let Err(e) = self.store.record_failure(&self.name, &id, attempt, &failure.reason).await {
+                if !e.is_transient() {
+                    self.hand_back(delivery).await;
+                    return Err(ConsumerError::Store(e));
+                }
+                tracing::warn!(error = %e, "could not record the failed attempt");
+            }
+            if attempt >= self.settings.retry.max_attempts {
+                // The next claim sees the limit reached and dead-letters under the row lock.
+                continue;
+            }
+            let retry_in_place = !self.transport.capabilities().requeue;
+            if local_retries < self.settings.retry.in_process_retries || retry_in_place {
+                local_retries += 1;
+                metrics.retried();
+                if sleep_unless_stopped(next_delay(&mut retry_delays), stop).await {
+                    continue;
+                }
+                return Ok(self.hand_back(delivery).await);
+            }
+            if let Err(e) = delivery.nack(true).await {
+                tracing::warn!(error = %e, "nack failed; the broker redelivers on its own");
+            }
+            bump(&self.counters.requeued);
+            return Ok(Outcome::Requeued);
+        }
+    }
+
+    async fn run_handler(
+        &self,
+        id: &MessageId,
+        delivery: &dyn Delivery,
+        attempt: u32,
+        tx: &mut S::Tx,
+        metrics: &Metrics,
+    ) -> Result<(), Failure> {
+        let message = Message {
+            id,
+            consumer: &self.name,
+            source: &self.source,
+            payload: delivery.payload(),
+            headers: delivery.headers(),
+            attempt,
+            redelivered: delivery.redelivered(),
+        };
+        let handled = AssertUnwindSafe(self.handler.handle(&message, tx)).catch_unwind();
+        let handled = metrics.time_handle(async {
+            match self.settings.handler_timeout {
+                Some(limit) => tokio::time::timeout(limit, handled).await.map_err(|_| {
+                    Failure::transient(format!("handler timed out after {limit:?}"))
+                }),
+                None => Ok(handled.await),
+            }
+        });
+        match handled.await? {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.into()),
+            Err(panic) => Err(Failure::transient(format!("handler panicked: {}", panic_text(&*panic)))),
+        }
+    }
+
+    /// A store error on the way to a claim: permanent ones stop the consumer; transient ones
+    /// are waited out with backoff. Returns false when shutdown came first.
+    async fn wait_out_store_error(
+        &self,
+        error: StoreError,
+        delays: &mut impl Iterator<Item = Duration>,
+        stop: &CancellationToken,
+    ) -> Result<bool, ConsumerError> {
+        if !error.is_transient() {
+            tracing::error!(error = %error, "inbox store failed permanently; stopping the consumer");
+            stop.cancel();
+            return Err(ConsumerError::Store(error));
+        }
+        let delay = next_delay(delays);
+        tracing::warn!(error = %error, retry_in = ?delay, "inbox store unavailable; waiting");
+        Ok(sleep_unless_stopped(delay, stop).await)
+    }
+
+    /// Dead-letters a claimed message: publish, mark dead in the claim's transaction, commit, ack.
+    #[allow(clippy::too_many_arguments)]
+    async fn dead_letter_claimed(
+        &self,
+        mut tx: S::Tx,
+        delivery: Box<dyn Delivery>,
+        id: &MessageId,
+        attempts: u32,
+        reason: String,
+        metrics: &Metrics,
+        stop: &CancellationToken,
+    ) -> Result<Outcome, ConsumerError> {
+        if let Err(e) = self.publish_dead_letter(&*delivery, Some(id), attempts, &reason).await {
+            let _ = self.store.rollback(tx).await;
+            return Ok(self.dead_letter_publish_failed(delivery, e, stop).await);
+        }
+        let marked = async {
+            self.store.mark_dead_claimed(&mut tx, &self.name, id, attempts, &reason).await?;
+            self.store.commit(tx).await
+        };
+        if let Err(e) = marked.await {
+            // The dead letter is published; the redelivery will publish another copy.
+            tracing::warn!(error = %e, "could not mark the message dead");
+            return Ok(self.hand_back(delivery).await);
+        }
+        self.ack(delivery).await;
+        self.count_dead_letter(metrics, &reason);
+        Ok(Outcome::DeadLettered)
+    }
+
+    /// Dead-letters after a failure whose transaction is gone: publish, record dead, ack.
+    async fn dead_letter_after_failure(
+        &self,
+        delivery: Box<dyn Delivery>,
+        id: &MessageId,
+        attempts: u32,
+        reason: String,
+        metrics: &Metrics,
+        stop: &CancellationToken,
+    ) -> Result<Outcome, ConsumerError> {
+        if let Err(e) = self.publish_dead_letter(&*delivery, Some(id), attempts, &reason).await {
+            return Ok(self.dead_letter_publish_failed(delivery, e, stop).await);
+        }
+        if let Err(e) = self.store.record_dead(&self.name, id, attempts, &reason).await {
+            // The message is safe in the dead-letter destination; only the table misses the mark.
+            tracing::warn!(error = %e, "dead letter published but not recorded in the inbox table");
+            if !e.is_transient() {
+                self.ack(delivery).await;
+                return Err(ConsumerError::Store(e));
+            }
+        }
+        self.ack(delivery).await;
+        self.count_dead_letter(metrics, &reason);
+        Ok(Outcome::DeadLettered)
+    }
+
+    /// Dead-letters a message that has no valid id, so no inbox row.
+    async fn dead_letter_unrecorded(
+        &self,
+        delivery: Box<dyn Delivery>,
+        id: Option<&MessageId>,
+        attempts: u32,
+        reason: String,
+        metrics: &Metrics,
+        stop: &CancellationToken,
+    ) -> Outcome {
+        if let Err(e) = self.publish_dead_letter(&*delivery, id, attempts, &reason).await {
+            return self.dead_letter_publish_failed(delivery, e, stop).await;
+        }
+        self.ack(delivery).await;
+        self.count_dead_letter(metrics, &reason);
+        Outcome::DeadLettered
+    }
+
+    fn count_dead_letter(&self, metrics: &Metrics, reason: &str) {
+        tracing::warn!(reason, "message dead-lettered");
+        bump(&self.counters.dead_lettered);
+        metrics.dead_lettered();
+    }
+
+    /// The dead letter could not be published: keep the message in the broker, after a pause
+    /// so that a broken dead-letter destination does not turn into a hot loop.
+    async fn dead_letter_publish_failed(
+        &self,
+        delivery: Box<dyn Delivery>,
+        error: TransportError,
+        stop: &CancellationToken,
+    ) -> Outcome {
+        let delay = self.settings.reconnect.max_delay;
+        tracing::error!(error = %error, retry_in = ?delay, "could not publish the dead letter; handing the message back");
+        sleep_unless_stopped(delay, stop).await;
+        self.hand_back(delivery).await
+    }
+
+    async fn publish_dead_letter(
+        &self,
+        delivery: &dyn Delivery,
+        id: Option<&MessageId>,
+        attempts: u32,
+        reason: &str,
+    ) -> Result<(), TransportError> {
+        use dead_letter_headers as h;
+        let mut headers = delivery.headers().clone();
+        headers.insert(h::REASON, reason.to_owned());
+        headers.insert(h::CONSUMER, self.name.as_str().to_owned());
+        headers.insert(h::ATTEMPTS, attempts.to_string());
+        headers.insert(h::SOURCE, self.source.clone());
+        if let Some(id) = id {
+            headers.insert(h::MESSAGE_ID, id.as_str().to_owned());
+        }
+        if let Some(coordinates) = delivery.coordinates() {
+            headers.insert(h::COORDINATES, coordinates);
+        }
+        let message = OutgoingMessage {
+            message_id: delivery
+                .broker_message_id()
+                .and_then(|raw| std::str::from_utf8(raw).ok())
+                .map(str::to_owned),
+            payload: bytes::Bytes::copy_from_slice(delivery.payload()),
+            headers,
+            key: None,
+        };
+        let destination = match &self.settings.dead_letter_destination {
+            Some(d) => d.clone(),
+            None => format!("{}.dead-letter", self.source),
+        };
+        self.transport.publish(&destination, message).await
+    }
+
+    /// Acks; the token proves the inbox already holds the outcome. A lost ack is not an error for
+    /// the message: the broker redelivers and the inbox discards the copy.
+    async fn ack(&self, delivery: Box<dyn Delivery>) {
+        if let Err(e) = delivery.ack(AckToken::new()).await {
+            bump(&self.counters.ack_failures);
+            tracing::warn!(error = %e, "ack lost; the broker will redeliver and the inbox will discard the copy");
+        }
+    }
+
+    /// Gives the delivery back to the broker unsettled.
+    async fn hand_back(&self, delivery: Box<dyn Delivery>) -> Outcome {
+        if let Err(e) = delivery.nack(true).await {
+            tracing::warn!(error = %e, "nack failed; the broker redelivers on its own");
+        }
+        Outcome::HandedBack
+    }
+}

@@ -1,0 +1,188 @@
+//! Errors. Every error says whether retrying can help ([`ErrorKind`]).
+
+use std::fmt;
+
+/// A boxed error from a driver or a user's code.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Whether an operation that failed may succeed when tried again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// Retrying can help: a lost connection, a lock conflict, a broker that is restarting.
+    Transient,
+    /// Retrying cannot help: bad input, a missing table, a broken configuration.
+    Permanent,
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ErrorKind::Transient => "transient",
+            ErrorKind::Permanent => "permanent",
+        })
+    }
+}
+
+/// An error from an [`InboxStore`](crate::InboxStore).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The database could not be reached, or the connection broke (transient).
+    #[error("database unavailable: {0}")]
+    Unavailable(#[source] BoxError),
+    /// A serialization failure, a deadlock or a busy database (transient).
+    #[error("transaction conflict: {0}")]
+    Conflict(#[source] BoxError),
+    /// The database refused the statement for a reason retrying will not fix (permanent).
+    #[error("database error: {0}")]
+    Database(#[source] BoxError),
+    /// The inbox schema could not be brought up to date (permanent).
+    #[error("migration failed: {0}")]
+    Migration(String),
+}
+
+impl StoreError {
+    /// Whether the operation may succeed when tried again.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            StoreError::Unavailable(_) | StoreError::Conflict(_) => ErrorKind::Transient,
+            StoreError::Database(_) | StoreError::Migration(_) => ErrorKind::Permanent,
+        }
+    }
+
+    /// Shorthand for `kind() == ErrorKind::Transient`.
+    pub fn is_transient(&self) -> bool {
+        self.kind() == ErrorKind::Transient
+    }
+}
+
+/// An error from a [`Transport`](crate::Transport) or a [`Delivery`](crate::Delivery).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// The connection or channel to the broker is gone (transient; the consumer resubscribes).
+    #[error("broker connection lost: {0}")]
+    Disconnected(#[source] BoxError),
+    /// A publish was not confirmed by the broker (transient).
+    #[error("publish not confirmed: {0}")]
+    NotConfirmed(#[source] BoxError),
+    /// An acknowledgement did not reach the broker; it will redeliver and the inbox will discard
+    /// the copy (transient).
+    #[error("acknowledgement lost: {0}")]
+    AckLost(#[source] BoxError),
+    /// The broker refused the operation for a reason retrying will not fix (permanent).
+    #[error("broker refused: {0}")]
+    Refused(#[source] BoxError),
+    /// The transport is configured wrongly (permanent).
+    #[error("invalid transport configuration: {0}")]
+    Config(String),
+}
+
+impl TransportError {
+    /// Whether the operation may succeed when tried again.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            TransportError::Disconnected(_)
+            | TransportError::NotConfirmed(_)
+            | TransportError::AckLost(_) => ErrorKind::Transient,
+            TransportError::Refused(_) | TransportError::Config(_) => ErrorKind::Permanent,
+        }
+    }
+
+    /// Shorthand for `kind() == ErrorKind::Transient`.
+    pub fn is_transient(&self) -> bool {
+        self.kind() == ErrorKind::Transient
+    }
+}
+
+/// What a [`Handler`](crate::Handler) returns when it cannot handle a message.
+///
+/// A transient error rolls the transaction back and retries the message; a permanent one rolls it
+/// back and dead-letters the message at once. `?` works on `sqlx::Error` (classified: lost
+/// connections, serialization failures and deadlocks are transient, the rest permanent) and on
+/// `serde_json::Error` (permanent: the payload will not decode any better next time).
+#[derive(Debug, thiserror::Error)]
+#[error("{kind} handler error: {source}")]
+pub struct HandlerError {
+    kind: ErrorKind,
+    #[source]
+    source: BoxError,
+}
+
+impl HandlerError {
+    /// A failure that may go away: retry the message.
+    pub fn transient(error: impl Into<BoxError>) -> Self {
+        Self {
+            kind: ErrorKind::Transient,
+            source: error.into(),
+        }
+    }
+
+    /// A failure that will not go away: dead-letter the message now.
+    pub fn permanent(error: impl Into<BoxError>) -> Self {
+        Self {
+            kind: ErrorKind::Permanent,
+            source: error.into(),
+        }
+    }
+
+    /// Whether retrying the message can help.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// The underlying error.
+    pub fn inner(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.source
+    }
+}
+
+impl From<serde_json::Error> for HandlerError {
+    fn from(error: serde_json::Error) -> Self {
+        HandlerError::permanent(error)
+    }
+}
+
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+impl From<sqlx::Error> for HandlerError {
+    fn from(error: sqlx::Error) -> Self {
+        let kind = crate::store::classify(&error);
+        Self {
+            kind,
+            source: Box::new(error),
+        }
+    }
+}
+
+/// Why [`Consumer::run`](crate::Consumer::run) stopped with an error instead of draining cleanly.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConsumerError {
+    /// The transport failed in a way retrying will not fix (for example a missing queue).
+    #[error("transport failed permanently: {0}")]
+    Transport(#[source] TransportError),
+    /// The store failed in a way retrying will not fix (for example the inbox table is missing:
+    /// run the migrations).
+    #[error("inbox store failed permanently: {0}")]
+    Store(#[source] StoreError),
+}
+
+impl ConsumerError {
+    /// Always permanent: transient failures are retried inside the consumer.
+    pub fn kind(&self) -> ErrorKind {
+        ErrorKind::Permanent
+    }
+}
+
+/// An invalid consumer name or message id.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidName(pub(crate) String);
+
+impl InvalidName {
+    /// Permanent: the same input is invalid every time.
+    pub fn kind(&self) -> ErrorKind {
+        ErrorKind::Permanent
+    }
+}

@@ -1,0 +1,39 @@
+//! The core of `inbox`: exactly-once side effects over at-least-once brokers.
+//!
+//! Before a [`Handler`] runs, the [`Consumer`] records `(consumer, message id)` in the inbox
+//! table in the same transaction as the handler's own writes, commits, and only then acks the
+//! broker. A message seen before is acked and discarded. The claim is one statement, so two copies
+//! of a message delivered at once to two instances never both commit: the second waits for the
+//! first and then sees it done.
+//!
+//! This crate knows no broker: transports implement [`Transport`] and [`Delivery`]; stores
+//! implement [`InboxStore`] (PostgreSQL and SQLite here, behind the `postgres` and `sqlite`
+//! features).
+#![forbid(unsafe_code)]
+
+mod consumer;
+mod error;
+mod handler;
+mod id;
+mod message;
+pub mod metrics;
+mod retry;
+pub mod store;
+mod transport;
+
+pub use consumer::{Consumer, ConsumerReport, dead_letter_headers};
+pub use error::{BoxError, ConsumerError, ErrorKind, HandlerError, InvalidName, StoreError, TransportError};
+pub use handler::Handler;
+pub use id::{ConsumerName, DEFAULT_ID_HEADER, IdStrategy, MAX_CONSUMER_NAME_BYTES, MAX_MESSAGE_ID_BYTES, MessageId};
+pub use message::{Headers, Message, OutgoingMessage};
+pub use retry::RetryPolicy;
+pub use store::{CleanupReport, Claim, ConsumerStats, DeadLetter, InboxStore};
+#[cfg(feature = "postgres")]
+pub use store::postgres::{PgTx, PostgresStore};
+#[cfg(feature = "sqlite")]
+pub use store::sqlite::{SqliteStore, SqliteTx};
+pub use transport::{AckToken, Capabilities, Delivery, DeliveryStream, Subscription, Transport};
+
+/// Re-exported so handlers and transports name the same versions.
+pub use async_trait::async_trait;
+pub use tokio_util::sync::CancellationToken;

@@ -1,0 +1,83 @@
+//! Metric names and the handles one consumer run records through (the `metrics` facade: install
+//! any recorder, e.g. `metrics-exporter-prometheus`).
+
+use std::future::Future;
+use std::time::Instant;
+
+use metrics::{Counter, Histogram, counter, histogram};
+
+use crate::id::ConsumerName;
+
+/// Messages handled and committed.
+pub const PROCESSED: &str = "inbox_processed_total";
+/// Deliveries discarded as already processed or dead-lettered.
+pub const DUPLICATES_DISCARDED: &str = "inbox_duplicates_discarded_total";
+/// Failed attempts.
+pub const FAILED: &str = "inbox_failed_total";
+/// Attempts retried in process.
+pub const RETRIED: &str = "inbox_retried_total";
+/// Messages dead-lettered.
+pub const DEAD_LETTERED: &str = "inbox_dead_lettered_total";
+/// Seconds spent in the claim statement.
+pub const CLAIM_SECONDS: &str = "inbox_claim_seconds";
+/// Seconds spent in the handler.
+pub const HANDLE_SECONDS: &str = "inbox_handle_seconds";
+
+/// Handles registered once per run, labelled by consumer and transport.
+pub(crate) struct Metrics {
+    processed: Counter,
+    duplicates: Counter,
+    failed: Counter,
+    retried: Counter,
+    dead_lettered: Counter,
+    claim_seconds: Histogram,
+    handle_seconds: Histogram,
+}
+
+impl Metrics {
+    pub(crate) fn new(consumer: &ConsumerName, transport: &'static str) -> Self {
+        let labels = [
+            ("consumer", consumer.as_str().to_owned()),
+            ("transport", transport.to_owned()),
+        ];
+        Self {
+            processed: counter!(PROCESSED, &labels),
+            duplicates: counter!(DUPLICATES_DISCARDED, &labels),
+            failed: counter!(FAILED, &labels),
+            retried: counter!(RETRIED, &labels),
+            dead_lettered: counter!(DEAD_LETTERED, &labels),
+            claim_seconds: histogram!(CLAIM_SECONDS, &labels),
+            handle_seconds: histogram!(HANDLE_SECONDS, &labels),
+        }
+    }
+
+    pub(crate) fn processed(&self) {
+        self.processed.increment(1);
+    }
+    pub(crate) fn duplicate(&self) {
+        self.duplicates.increment(1);
+    }
+    pub(crate) fn failed(&self) {
+        self.failed.increment(1);
+    }
+    pub(crate) fn retried(&self) {
+        self.retried.increment(1);
+    }
+    pub(crate) fn dead_lettered(&self) {
+        self.dead_lettered.increment(1);
+    }
+
+    pub(crate) async fn time_claim<T>(&self, f: impl Future<Output = T>) -> T {
+        let start = Instant::now();
+        let out = f.await;
+        self.claim_seconds.record(start.elapsed().as_secs_f64());
+        out
+    }
+
+    pub(crate) async fn time_handle<T>(&self, f: impl Future<Output = T>) -> T {
+        let start = Instant::now();
+        let out = f.await;
+        self.handle_seconds.record(start.elapsed().as_secs_f64());
+        out
+    }
+}

@@ -1,0 +1,293 @@
+//! The inbox table behind a trait, and its PostgreSQL and SQLite implementations.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::error::StoreError;
+use crate::id::{ConsumerName, MessageId};
+
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+
+/// The longest `last_error` kept, in characters; longer ones are cut.
+pub const MAX_ERROR_CHARS: usize = 2000;
+
+/// What [`InboxStore::claim`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Claim {
+    /// The message is ours to handle in this transaction: its row is locked until the transaction
+    /// ends, and committing marks it processed.
+    Claimed {
+        /// Failed attempts recorded so far.
+        attempts: u32,
+        /// The last recorded failure.
+        last_error: Option<String>,
+    },
+    /// Already processed: a duplicate.
+    Done,
+    /// Already dead-lettered: not handled again unless an operator replays it.
+    Dead,
+}
+
+/// Counts for one consumer, as [`InboxStore::stats`] returns them.
+#[derive(Debug, Clone, PartialEq, Default)]
+#[non_exhaustive]
+pub struct ConsumerStats {
+    /// The consumer.
+    pub consumer: String,
+    /// Rows in the inbox table.
+    pub rows: u64,
+    /// Rows processed.
+    pub processed: u64,
+    /// Rows processed in the last hour.
+    pub processed_last_hour: u64,
+    /// Rows with recorded failures, neither processed nor dead yet.
+    pub failing: u64,
+    /// Rows dead-lettered.
+    pub dead: u64,
+    /// Age of the oldest row that is neither processed nor dead.
+    pub oldest_unprocessed: Option<Duration>,
+}
+
+/// A dead-lettered message as recorded in the inbox table.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct DeadLetter {
+    /// The consumer.
+    pub consumer: String,
+    /// The message id.
+    pub message_id: String,
+    /// Attempts made.
+    pub attempts: u32,
+    /// Why it was dead-lettered.
+    pub last_error: Option<String>,
+    /// How long ago.
+    pub age: Duration,
+}
+
+/// What one cleanup run did.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct CleanupReport {
+    /// Rows deleted.
+    pub deleted: u64,
+    /// Batches (transactions) used.
+    pub batches: u64,
+    /// True when another instance held the cleanup lock, so this run did nothing.
+    pub skipped_locked: bool,
+}
+
+/// The inbox table: the only place that knows SQL.
+///
+/// All statements bind their values as parameters. Implementations must keep the claim to one
+/// statement (see [`claim`](Self::claim)).
+#[async_trait]
+pub trait InboxStore: Send + Sync + 'static {
+    /// The transaction a claim runs in and the handler writes through.
+    type Tx: Send + 'static;
+
+    /// Creates or updates the inbox schema. Uses its own migration bookkeeping, so it does not
+    /// collide with the application's migrations.
+    async fn migrate(&self) -> Result<(), StoreError>;
+
+    /// Begins a transaction (READ COMMITTED on PostgreSQL; a write transaction on SQLite).
+    async fn begin(&self) -> Result<Self::Tx, StoreError>;
+
+    /// Claims `(consumer, id)` in ONE statement: inserts the row, or takes an existing row that is
+    /// neither processed nor dead; either way the row is locked and marked processed as of this
+    /// transaction. A concurrent claim of the same message waits for this transaction to end,
+    /// then sees the message done (if it committed) or free (if it rolled back).
+    async fn claim(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &ConsumerName,
+        id: &MessageId,
+    ) -> Result<Claim, StoreError>;
+
+    /// Turns a claimed row into a dead-lettered one, in the claim's transaction.
+    async fn mark_dead_claimed(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &ConsumerName,
+        id: &MessageId,
+        attempts: u32,
+        reason: &str,
+    ) -> Result<(), StoreError>;
+
+    /// Commits.
+    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError>;
+
+    /// Rolls back.
+    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError>;
+
+    /// Records a failed attempt in its own transaction (the handler's was rolled back), unless the
+    /// message is processed or dead by now. Returns the attempts recorded.
+    async fn record_failure(
+        &self,
+        consumer: &ConsumerName,
+        id: &MessageId,
+        attempt: u32,
+        error: &str,
+    ) -> Result<u32, StoreError>;
+
+    /// Marks a message dead in its own transaction (a permanent failure after rollback), unless it
+    /// is processed by now.
+    async fn record_dead(
+        &self,
+        consumer: &ConsumerName,
+        id: &MessageId,
+        attempts: u32,
+        reason: &str,
+    ) -> Result<(), StoreError>;
+
+    /// Clears the dead mark of a message so that its next delivery is handled: the operator's
+    /// replay. Returns whether there was such a dead row.
+    async fn clear_dead(&self, consumer: &ConsumerName, id: &MessageId) -> Result<bool, StoreError>;
+
+    /// Dead-lettered messages, oldest first.
+    async fn dead_letters(
+        &self,
+        consumer: Option<&ConsumerName>,
+        limit: u32,
+    ) -> Result<Vec<DeadLetter>, StoreError>;
+
+    /// Deletes processed rows older than `older_than`, `batch_size` rows per transaction, one
+    /// instance at a time. Dead-lettered rows are kept.
+    async fn cleanup(&self, older_than: Duration, batch_size: u32) -> Result<CleanupReport, StoreError>;
+
+    /// Counts per consumer (one consumer, or all).
+    async fn stats(&self, consumer: Option<&ConsumerName>) -> Result<Vec<ConsumerStats>, StoreError>;
+}
+
+/// Cuts an error text to [`MAX_ERROR_CHARS`].
+pub(crate) fn truncate_error(error: &str) -> &str {
+    match error.char_indices().nth(MAX_ERROR_CHARS) {
+        Some((at, _)) => &error[..at],
+        None => error,
+    }
+}
+
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub(crate) use sql_errors::{classify, store_error};
+
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+mod sql_errors {
+    use crate::error::{ErrorKind, StoreError};
+
+    /// Whether a sqlx error may go away on retry.
+    pub(crate) fn classify(error: &sqlx::Error) -> ErrorKind {
+        match error {
+            sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::Protocol(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed => ErrorKind::Transient,
+            sqlx::Error::Database(db) => match db.code() {
+                Some(code) if transient_code(&code) => ErrorKind::Transient,
+                _ => ErrorKind::Permanent,
+            },
+            _ => ErrorKind::Permanent,
+        }
+    }
+
+    fn transient_code(code: &str) -> bool {
+        // PostgreSQL SQLSTATEs: connection exceptions (08), serialization failure and deadlock
+        // (40001, 40P01), too many connections (53300), lock not available (55P03), shutdown and
+        // crash recovery (57P01..57P03).
+        if code.len() == 5 && code.chars().all(|c| c.is_ascii_alphanumeric()) {
+            return code.starts_with("08")
+                || matches!(code, "40001" | "40P01" | "53300" | "55P03" | "57P01" | "57P02" | "57P03");
+        }
+        // SQLite result codes (extended): BUSY (5) and LOCKED (6) in the low byte.
+        code.parse::<i32>()
+            .map(|c| matches!(c & 0xff, 5 | 6))
+            .unwrap_or(false)
+    }
+
+    /// Maps a sqlx error to a [`StoreError`] of the right kind.
+    pub(crate) fn store_error(error: sqlx::Error) -> StoreError {
+        let transient = classify(&error) == ErrorKind::Transient;
+        match error {
+            sqlx::Error::Database(_) if transient => StoreError::Conflict(Box::new(error)),
+            _ if transient => StoreError::Unavailable(Box::new(error)),
+            _ => StoreError::Database(Box::new(error)),
+        }
+    }
+}
+
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub(crate) mod migrate {
+    //! Our migrations, applied with our own bookkeeping table (`inbox_schema_migrations`), so
+    //! that the application's `_sqlx_migrations` never sees our versions.
+
+    use sqlx::migrate::{Migration, Migrator};
+
+    use crate::error::StoreError;
+
+    /// The migrations not applied yet; an applied one whose text changed is an error.
+    pub(crate) fn pending<'m>(
+        migrator: &'m Migrator,
+        applied: &[(i64, Vec<u8>)],
+    ) -> Result<Vec<&'m Migration>, StoreError> {
+        let mut todo = Vec::new();
+        for migration in migrator.iter().filter(|m| m.migration_type.is_up_migration()) {
+            match applied.iter().find(|(v, _)| *v == migration.version) {
+                Some((_, checksum)) if checksum.as_slice() != &*migration.checksum => {
+                    return Err(StoreError::Migration(format!(
+                        "inbox migration {} ({}) was changed after it was applied",
+                        migration.version, migration.description
+                    )));
+                }
+                Some(_) => {}
+                None => todo.push(migration),
+            }
+        }
+        Ok(todo)
+    }
+
+    pub(crate) fn failed(what: &str, e: sqlx::Error) -> StoreError {
+        StoreError::Migration(format!("{what}: {e}"))
+    }
+
+    /// Applies `$migrator`'s pending migrations on connection `$conn`, each in its own
+    /// transaction together with its bookkeeping row. A macro rather than a generic function:
+    /// sqlx's executor bounds do not survive an `async fn` generic over the database.
+    macro_rules! apply {
+        ($conn:expr, $migrator:expr, create = $create:expr, insert = $insert:expr) => {{
+            use sqlx::Connection as _;
+            use $crate::store::migrate::failed;
+            let conn = $conn;
+            sqlx::Executor::execute(&mut *conn, $create)
+                .await
+                .map_err(|e| failed("creating inbox_schema_migrations", e))?;
+            let applied: Vec<(i64, Vec<u8>)> =
+                sqlx::query_as("SELECT version, checksum FROM inbox_schema_migrations")
+                    .fetch_all(&mut *conn)
+                    .await
+                    .map_err(|e| failed("reading inbox_schema_migrations", e))?;
+            for migration in $crate::store::migrate::pending($migrator, &applied)? {
+                let mut tx = conn.begin().await.map_err(|e| failed("begin", e))?;
+                // A plain string runs unprepared, so a migration may hold several statements.
+                sqlx::Executor::execute(&mut *tx, &*migration.sql)
+                    .await
+                    .map_err(|e| failed(&format!("applying {}", migration.description), e))?;
+                sqlx::query($insert)
+                    .bind(migration.version)
+                    .bind(migration.description.to_string())
+                    .bind(migration.checksum.to_vec())
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|e| failed("recording the migration", e))?;
+                tx.commit().await.map_err(|e| failed("commit", e))?;
+                tracing::info!(version = migration.version, description = %migration.description, "applied inbox migration");
+            }
+            Ok::<(), StoreError>(())
+        }};
+    }
+    pub(crate) use apply;
+}

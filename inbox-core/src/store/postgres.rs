@@ -1,0 +1,320 @@
+//! The PostgreSQL store.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgPool, Postgres};
+
+use super::{CleanupReport, Claim, ConsumerStats, DeadLetter, InboxStore, store_error, truncate_error};
+use crate::error::StoreError;
+use crate::id::{ConsumerName, MessageId};
+
+/// The transaction a PostgreSQL consumer's handler writes through.
+pub type PgTx = sqlx::Transaction<'static, Postgres>;
+
+/// Session advisory lock keys: one for migrations, one for cleanup ("inbox" + a number).
+const MIGRATE_LOCK: i64 = 0x696e_626f_7800_0001;
+const CLEANUP_LOCK: i64 = 0x696e_626f_7800_0002;
+
+/// The inbox on PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+}
+
+impl PostgresStore {
+    /// Wraps an existing pool (share it with your application's own queries).
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    /// Connects with a pool of `max_connections`. The URL's password is never logged.
+    pub async fn connect(url: &str, max_connections: u32) -> Result<Self, StoreError> {
+        let options: PgConnectOptions = url.parse().map_err(store_error)?;
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_with(options)
+            .await
+            .map_err(store_error)?;
+        Ok(Self { pool })
+    }
+
+    /// The pool, for the application's own queries.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+}
+
+const CLAIM: &str = "\
+INSERT INTO inbox_messages (consumer, message_id, processed_at) VALUES ($1, $2, now())
+ON CONFLICT (consumer, message_id) DO UPDATE SET processed_at = now()
+  WHERE inbox_messages.processed_at IS NULL AND inbox_messages.dead_lettered_at IS NULL
+RETURNING attempts, last_error";
+
+#[async_trait]
+impl InboxStore for PostgresStore {
+    type Tx = PgTx;
+
+    async fn migrate(&self) -> Result<(), StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        sqlx::query("SELECT pg_advisory_lock($1)")
+            .bind(MIGRATE_LOCK)
+            .execute(&mut *conn)
+            .await
+            .map_err(store_error)?;
+        static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/postgres");
+        let result = async {
+            super::migrate::apply!(
+                &mut *conn,
+                &MIGRATOR,
+                create = "CREATE TABLE IF NOT EXISTS inbox_schema_migrations (
+                    version bigint PRIMARY KEY, description text NOT NULL,
+                    checksum bytea NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())",
+                insert = "INSERT INTO inbox_schema_migrations (version, description, checksum) VALUES ($1, $2, $3)"
+            )
+        }
+        .await;
+        let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(MIGRATE_LOCK)
+            .execute(&mut *conn)
+            .await;
+        if unlocked.is_err() {
+            // A session lock dies with its connection; do not return that connection to the pool.
+            conn.detach();
+        }
+        result
+    }
+
+    async fn begin(&self) -> Result<PgTx, StoreError> {
+        self.pool.begin().await.map_err(store_error)
+    }
+
+    async fn claim(&self, tx: &mut PgTx, consumer: &ConsumerName, id: &MessageId) -> Result<Claim, StoreError> {
+        let row: Option<(i32, Option<String>)> = sqlx::query_as(CLAIM)
+            .bind(consumer.as_str())
+            .bind(id.as_str())
+            .fetch_optional(&mut **tx)
+            .await
+            .map_err(store_error)?;
+        if let Some((attempts, last_error)) = row {
+            return Ok(Claim::Claimed {
+                attempts: attempts.max(0) as u32,
+                last_error,
+            });
+        }
+        // The row exists and is finished; which way only matters for counting. The claim above
+        // holds the row lock, so this read sees the committed state.
+        let dead: bool = sqlx::query_scalar(
+            "SELECT dead_lettered_at IS NOT NULL FROM inbox_messages WHERE consumer = $1 AND message_id = $2",
+        )
+        .bind(consumer.as_str())
+        .bind(id.as_str())
+        .fetch_one(&mut **tx)
+        .await
+        .map_err(store_error)?;
+        Ok(if dead { Claim::Dead } else { Claim::Done })
+    }
+
+    async fn mark_dead_claimed(
+        &self,
+        tx: &mut PgTx,
+        consumer: &ConsumerName,
+        id: &MessageId,
+        attempts: u32,
+        reason: &str,
+    ) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE inbox_messages SET processed_at = NULL, dead_lettered_at = now(),
+                attempts = GREATEST(attempts, $3), last_error = $4
+             WHERE consumer = $1 AND message_id = $2",
+        )
+        .bind(consumer.as_str())
+        .bind(id.as_str())
+        .bind(attempts as i32)
+        .bind(truncate_error(reason))
+        .execute(&mut **tx)
+        .await
+        .map_err(store_error)?;
+        Ok(())
+    }
+
+    async fn commit(&self, tx: PgTx) -> Result<(), StoreError> {
+        tx.commit().await.map_err(store_error)
+    }
+
+    async fn rollback(&self, tx: PgTx) -> Result<(), StoreError> {
+        tx.rollback().await.map_err(store_error)
+    }
+
+    async fn record_failure(
+        &self,
+        consumer: &ConsumerName,
+        id: &MessageId,
+        attempt: u32,
+        error: &str,
+    ) -> Result<u32, StoreError> {
+        let attempts: Option<i32> = sqlx::query_scalar(
+            "INSERT INTO inbox_messages (consumer, message_id, attempts, last_error) VALUES ($1, $2, $3, $4)
+             ON CONFLICT (consumer, message_id) DO UPDATE
+               SET attempts = GREATEST(inbox_messages.attempts + 1, EXCLUDED.attempts),
+                   last_error = EXCLUDED.last_error
+               WHERE inbox_messages.processed_at IS NULL AND inbox_messages.dead_lettered_at IS NULL
+             RETURNING attempts",
+        )
+        .bind(consumer.as_str())
+        .bind(id.as_str())
+        .bind(attempt.max(1) as i32)
+        .bind(truncate_error(error))
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(store_error)?;
+        Ok(attempts.unwrap_or(attempt as i32).max(0) as u32)
+    }
+
+    async fn record_dead(
+        &self,
+        consumer: &ConsumerName,
+        id: &MessageId,
+        attempts: u32,
+        reason: &str,
+    ) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO inbox_messages (consumer, message_id, attempts, last_error, dead_lettered_at)
+             VALUES ($1, $2, $3, $4, now())
+             ON CONFLICT (consumer, message_id) DO UPDATE
+               SET attempts = GREATEST(inbox_messages.attempts, EXCLUDED.attempts),
+                   last_error = EXCLUDED.last_error, dead_lettered_at = now()
+               WHERE inbox_messages.processed_at IS NULL AND inbox_messages.dead_lettered_at IS NULL",
+        )
+        .bind(consumer.as_str())
+        .bind(id.as_str())
+        .bind(attempts as i32)
+        .bind(truncate_error(reason))
+        .execute(&self.pool)
+        .await
+        .map_err(store_error)?;
+        Ok(())
+    }
+
+    async fn clear_dead(&self, consumer: &ConsumerName, id: &MessageId) -> Result<bool, StoreError> {
+        // The replayed message starts afresh: a new attempt budget.
+        let done = sqlx::query(
+            "UPDATE inbox_messages SET dead_lettered_at = NULL, attempts = 0
+             WHERE consumer = $1 AND message_id = $2 AND dead_lettered_at IS NOT NULL",
+        )
+        .bind(consumer.as_str())
+        .bind(id.as_str())
+        .execute(&self.pool)
+        .await
+        .map_err(store_error)?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    async fn dead_letters(&self, consumer: Option<&ConsumerName>, limit: u32) -> Result<Vec<DeadLetter>, StoreError> {
+        let rows: Vec<(String, String, i32, Option<String>, f64)> = sqlx::query_as(
+            "SELECT consumer, message_id, attempts, last_error,
+                    EXTRACT(EPOCH FROM now() - dead_lettered_at)::float8
+             FROM inbox_messages
+             WHERE processed_at IS NULL AND dead_lettered_at IS NOT NULL
+               AND ($1::text IS NULL OR consumer = $1)
+             ORDER BY dead_lettered_at LIMIT $2",
+        )
+        .bind(consumer.map(|c| c.as_str()))
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(store_error)?;
+        Ok(rows
+            .into_iter()
+            .map(|(consumer, message_id, attempts, last_error, age)| DeadLetter {
+                consumer,
+                message_id,
+                attempts: attempts.max(0) as u32,
+                last_error,
+                age: Duration::from_secs_f64(age.max(0.0)),
+            })
+            .collect())
+    }
+
+    async fn cleanup(&self, older_than: Duration, batch_size: u32) -> Result<CleanupReport, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(CLEANUP_LOCK)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(store_error)?;
+        if !locked {
+            return Ok(CleanupReport {
+                skipped_locked: true,
+                ..CleanupReport::default()
+            });
+        }
+        let mut report = CleanupReport::default();
+        let result: Result<(), StoreError> = async {
+            loop {
+                // SKIP LOCKED: never wait for a claim that holds one of these rows.
+                let deleted = sqlx::query(
+                    "DELETE FROM inbox_messages m USING (
+                        SELECT consumer, message_id FROM inbox_messages
+                        WHERE processed_at IS NOT NULL AND processed_at < now() - make_interval(secs => $1)
+                        LIMIT $2 FOR UPDATE SKIP LOCKED) old
+                     WHERE m.consumer = old.consumer AND m.message_id = old.message_id",
+                )
+                .bind(older_than.as_secs_f64())
+                .bind(i64::from(batch_size.max(1)))
+                .execute(&mut *conn)
+                .await
+                .map_err(store_error)?
+                .rows_affected();
+                report.deleted += deleted;
+                report.batches += 1;
+                if deleted < u64::from(batch_size.max(1)) {
+                    return Ok(());
+                }
+            }
+        }
+        .await;
+        let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(CLEANUP_LOCK)
+            .execute(&mut *conn)
+            .await;
+        if unlocked.is_err() {
+            conn.detach();
+        }
+        result.map(|()| report)
+    }
+
+    async fn stats(&self, consumer: Option<&ConsumerName>) -> Result<Vec<ConsumerStats>, StoreError> {
+        let rows: Vec<(String, i64, i64, i64, i64, i64, Option<f64>)> = sqlx::query_as(
+            "SELECT consumer,
+                    count(*),
+                    count(processed_at),
+                    count(*) FILTER (WHERE processed_at > now() - interval '1 hour'),
+                    count(*) FILTER (WHERE processed_at IS NULL AND dead_lettered_at IS NULL),
+                    count(dead_lettered_at),
+                    EXTRACT(EPOCH FROM now() - min(received_at)
+                        FILTER (WHERE processed_at IS NULL AND dead_lettered_at IS NULL))::float8
+             FROM inbox_messages
+             WHERE $1::text IS NULL OR consumer = $1
+             GROUP BY consumer ORDER BY consumer",
+        )
+        .bind(consumer.map(|c| c.as_str()))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(store_error)?;
+        Ok(rows
+            .into_iter()
+            .map(|(consumer, rows, processed, last_hour, failing, dead, oldest)| ConsumerStats {
+                consumer,
+                rows: rows as u64,
+                processed: processed as u64,
+                processed_last_hour: last_hour as u64,
+                failing: failing as u64,
+                dead: dead as u64,
+                oldest_unprocessed: oldest.map(|s| Duration::from_secs_f64(s.max(0.0))),
+            })
+            .collect())
+    }
+}

@@ -1,0 +1,302 @@
+//! The SQLite store: the same semantics on a single-writer database (tests, the demo, small
+//! single-node services).
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{Sqlite, SqlitePool};
+
+use super::{CleanupReport, Claim, ConsumerStats, DeadLetter, InboxStore, store_error, truncate_error};
+use crate::error::StoreError;
+use crate::id::{ConsumerName, MessageId};
+
+/// The transaction a SQLite consumer's handler writes through.
+pub type SqliteTx = sqlx::Transaction<'static, Sqlite>;
+
+/// `now` as stored: UTC ISO-8601 with milliseconds, which sorts chronologically.
+macro_rules! now {
+    () => {
+        "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')"
+    };
+}
+
+/// Seconds since a stored timestamp.
+macro_rules! age_secs {
+    ($col:literal) => {
+        concat!("((julianday('now') - julianday(", $col, ")) * 86400.0)")
+    };
+}
+
+/// The inbox on SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+}
+
+impl SqliteStore {
+    /// Wraps an existing pool. Use WAL mode and a generous busy timeout: writers queue on the
+    /// database lock, and a claim waits there for a concurrent copy's transaction.
+    pub fn new(pool: SqlitePool) -> Self {
+        Self { pool }
+    }
+
+    /// Opens (creating if missing) a database file, in WAL mode with a 30 s busy timeout.
+    /// `url` is `sqlite:path.db` or `sqlite::memory:`.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let options = SqliteConnectOptions::from_str(url)
+            .map_err(store_error)?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(Duration::from_secs(30));
+        // An in-memory database exists once per connection: keep exactly one.
+        let max = if url.contains(":memory:") || url.contains("mode=memory") { 1 } else { 8 };
+        let pool = SqlitePoolOptions::new()
+            .max_connections(max)
+            .min_connections(if max == 1 { 1 } else { 0 })
+            .idle_timeout(if max == 1 { None } else { Some(Duration::from_secs(600)) })
+            .max_lifetime(if max == 1 { None } else { Some(Duration::from_secs(1800)) })
+            .connect_with(options)
+            .await
+            .map_err(store_error)?;
+        Ok(Self { pool })
+    }
+
+    /// The pool, for the application's own queries.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+}
+
+#[async_trait]
+impl InboxStore for SqliteStore {
+    type Tx = SqliteTx;
+
+    async fn migrate(&self) -> Result<(), StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
+        super::migrate::apply!(
+            &mut *conn,
+            &MIGRATOR,
+            create = "CREATE TABLE IF NOT EXISTS inbox_schema_migrations (
+                version INTEGER PRIMARY KEY, description TEXT NOT NULL,
+                checksum BLOB NOT NULL, applied_at TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')))",
+            insert = "INSERT INTO inbox_schema_migrations (version, description, checksum) VALUES ($1, $2, $3)"
+        )
+    }
+
+    async fn begin(&self) -> Result<SqliteTx, StoreError> {
+        // Take the write lock up front: a deferred transaction that reads first can fail to
+        // upgrade (SQLITE_BUSY_SNAPSHOT) when another writer committed meanwhile.
+        self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(store_error)
+    }
+
+    async fn claim(&self, tx: &mut SqliteTx, consumer: &ConsumerName, id: &MessageId) -> Result<Claim, StoreError> {
+        let row: Option<(i64, Option<String>)> = sqlx::query_as(concat!(
+            "INSERT INTO inbox_messages (consumer, message_id, processed_at) VALUES ($1, $2, ", now!(), ")
+             ON CONFLICT (consumer, message_id) DO UPDATE SET processed_at = ", now!(), "
+               WHERE inbox_messages.processed_at IS NULL AND inbox_messages.dead_lettered_at IS NULL
+             RETURNING attempts, last_error"
+        ))
+        .bind(consumer.as_str())
+        .bind(id.as_str())
+        .fetch_optional(&mut **tx)
+        .await
+        .map_err(store_error)?;
+        if let Some((attempts, last_error)) = row {
+            return Ok(Claim::Claimed {
+                attempts: attempts.clamp(0, i64::from(u32::MAX)) as u32,
+                last_error,
+            });
+        }
+        let dead: bool = sqlx::query_scalar(
+            "SELECT dead_lettered_at IS NOT NULL FROM inbox_messages WHERE consumer = $1 AND message_id = $2",
+        )
+        .bind(consumer.as_str())
+        .bind(id.as_str())
+        .fetch_one(&mut **tx)
+        .await
+        .map_err(store_error)?;
+        Ok(if dead { Claim::Dead } else { Claim::Done })
+    }
+
+    async fn mark_dead_claimed(
+        &self,
+        tx: &mut SqliteTx,
+        consumer: &ConsumerName,
+        id: &MessageId,
+        attempts: u32,
+        reason: &str,
+    ) -> Result<(), StoreError> {
+        sqlx::query(concat!(
+            "UPDATE inbox_messages SET processed_at = NULL, dead_lettered_at = ", now!(), ",
+                attempts = MAX(attempts, $3), last_error = $4
+             WHERE consumer = $1 AND message_id = $2"
+        ))
+        .bind(consumer.as_str())
+        .bind(id.as_str())
+        .bind(i64::from(attempts))
+        .bind(truncate_error(reason))
+        .execute(&mut **tx)
+        .await
+        .map_err(store_error)?;
+        Ok(())
+    }
+
+    async fn commit(&self, tx: SqliteTx) -> Result<(), StoreError> {
+        tx.commit().await.map_err(store_error)
+    }
+
+    async fn rollback(&self, tx: SqliteTx) -> Result<(), StoreError> {
+        tx.rollback().await.map_err(store_error)
+    }
+
+    async fn record_failure(
+        &self,
+        consumer: &ConsumerName,
+        id: &MessageId,
+        attempt: u32,
+        error: &str,
+    ) -> Result<u32, StoreError> {
+        let attempts: Option<i64> = sqlx::query_scalar(
+            "INSERT INTO inbox_messages (consumer, message_id, attempts, last_error) VALUES ($1, $2, $3, $4)
+             ON CONFLICT (consumer, message_id) DO UPDATE
+               SET attempts = MAX(inbox_messages.attempts + 1, excluded.attempts),
+                   last_error = excluded.last_error
+               WHERE inbox_messages.processed_at IS NULL AND inbox_messages.dead_lettered_at IS NULL
+             RETURNING attempts",
+        )
+        .bind(consumer.as_str())
+        .bind(id.as_str())
+        .bind(i64::from(attempt.max(1)))
+        .bind(truncate_error(error))
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(store_error)?;
+        Ok(attempts.unwrap_or(i64::from(attempt)).clamp(0, i64::from(u32::MAX)) as u32)
+    }
+
+    async fn record_dead(
+        &self,
+        consumer: &ConsumerName,
+        id: &MessageId,
+        attempts: u32,
+        reason: &str,
+    ) -> Result<(), StoreError> {
+        sqlx::query(concat!(
+            "INSERT INTO inbox_messages (consumer, message_id, attempts, last_error, dead_lettered_at)
+             VALUES ($1, $2, $3, $4, ", now!(), ")
+             ON CONFLICT (consumer, message_id) DO UPDATE
+               SET attempts = MAX(inbox_messages.attempts, excluded.attempts),
+                   last_error = excluded.last_error, dead_lettered_at = ", now!(), "
+               WHERE inbox_messages.processed_at IS NULL AND inbox_messages.dead_lettered_at IS NULL"
+        ))
+        .bind(consumer.as_str())
+        .bind(id.as_str())
+        .bind(i64::from(attempts))
+        .bind(truncate_error(reason))
+        .execute(&self.pool)
+        .await
+        .map_err(store_error)?;
+        Ok(())
+    }
+
+    async fn clear_dead(&self, consumer: &ConsumerName, id: &MessageId) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE inbox_messages SET dead_lettered_at = NULL, attempts = 0
+             WHERE consumer = $1 AND message_id = $2 AND dead_lettered_at IS NOT NULL",
+        )
+        .bind(consumer.as_str())
+        .bind(id.as_str())
+        .execute(&self.pool)
+        .await
+        .map_err(store_error)?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    async fn dead_letters(&self, consumer: Option<&ConsumerName>, limit: u32) -> Result<Vec<DeadLetter>, StoreError> {
+        let rows: Vec<(String, String, i64, Option<String>, f64)> = sqlx::query_as(concat!(
+            "SELECT consumer, message_id, attempts, last_error, ", age_secs!("dead_lettered_at"), "
+             FROM inbox_messages
+             WHERE processed_at IS NULL AND dead_lettered_at IS NOT NULL
+               AND ($1 IS NULL OR consumer = $1)
+             ORDER BY dead_lettered_at LIMIT $2"
+        ))
+        .bind(consumer.map(|c| c.as_str()))
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(store_error)?;
+        Ok(rows
+            .into_iter()
+            .map(|(consumer, message_id, attempts, last_error, age)| DeadLetter {
+                consumer,
+                message_id,
+                attempts: attempts.clamp(0, i64::from(u32::MAX)) as u32,
+                last_error,
+                age: Duration::from_secs_f64(age.max(0.0)),
+            })
+            .collect())
+    }
+
+    async fn cleanup(&self, older_than: Duration, batch_size: u32) -> Result<CleanupReport, StoreError> {
+        // SQLite has one writer at a time: each batch is a short write transaction, so claims
+        // wait at most one batch.
+        let modifier = format!("-{:.3} seconds", older_than.as_secs_f64());
+        let batch = i64::from(batch_size.max(1));
+        let mut report = CleanupReport::default();
+        loop {
+            let deleted = sqlx::query(
+                "DELETE FROM inbox_messages WHERE rowid IN (
+                    SELECT rowid FROM inbox_messages
+                    WHERE processed_at IS NOT NULL
+                      AND processed_at < strftime('%Y-%m-%dT%H:%M:%fZ', 'now', $1)
+                    LIMIT $2)",
+            )
+            .bind(&modifier)
+            .bind(batch)
+            .execute(&self.pool)
+            .await
+            .map_err(store_error)?
+            .rows_affected();
+            report.deleted += deleted;
+            report.batches += 1;
+            if deleted < batch as u64 {
+                return Ok(report);
+            }
+        }
+    }
+
+    async fn stats(&self, consumer: Option<&ConsumerName>) -> Result<Vec<ConsumerStats>, StoreError> {
+        let rows: Vec<(String, i64, i64, i64, i64, i64, Option<f64>)> = sqlx::query_as(concat!(
+            "SELECT consumer,
+                    count(*),
+                    count(processed_at),
+                    count(*) FILTER (WHERE processed_at > strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-1 hour')),
+                    count(*) FILTER (WHERE processed_at IS NULL AND dead_lettered_at IS NULL),
+                    count(dead_lettered_at),
+                    ", age_secs!("min(received_at) FILTER (WHERE processed_at IS NULL AND dead_lettered_at IS NULL)"), "
+             FROM inbox_messages
+             WHERE $1 IS NULL OR consumer = $1
+             GROUP BY consumer ORDER BY consumer"
+        ))
+        .bind(consumer.map(|c| c.as_str()))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(store_error)?;
+        Ok(rows
+            .into_iter()
+            .map(|(consumer, rows, processed, last_hour, failing, dead, oldest)| ConsumerStats {
+                consumer,
+                rows: rows as u64,
+                processed: processed as u64,
+                processed_last_hour: last_hour as u64,
+                failing: failing as u64,
+                dead: dead as u64,
+                oldest_unprocessed: oldest.map(|s| Duration::from_secs_f64(s.max(0.0))),
+            })
+            .collect())
+    }
+}

@@ -1,0 +1,150 @@
+//! What a broker must offer: deliveries that can be acked and nacked, and publishing.
+
+use std::fmt;
+
+use async_trait::async_trait;
+use futures::stream::BoxStream;
+
+use crate::error::TransportError;
+use crate::id::ConsumerName;
+use crate::message::{Headers, OutgoingMessage};
+
+/// Proof that a delivery may be acknowledged.
+///
+/// Only the consumer engine in this crate can make one, and it does so only after the inbox
+/// transaction that recorded the message committed, after it found the message already done or
+/// dead-lettered, or after the message was dead-lettered. [`Delivery::ack`] takes it by value, so
+/// code that tries to ack before the commit does not compile.
+#[derive(Debug)]
+#[must_use = "an AckToken exists to be spent on Delivery::ack"]
+pub struct AckToken {
+    _private: (),
+}
+
+impl AckToken {
+    pub(crate) fn new() -> Self {
+        Self { _private: () }
+    }
+
+    /// A token for a transport's own tests, which exercise ack without an engine and a database.
+    #[cfg(feature = "test-util")]
+    pub fn for_transport_tests() -> Self {
+        Self::new()
+    }
+}
+
+/// One delivery of a message by a broker. The same message may be delivered many times.
+#[async_trait]
+pub trait Delivery: Send + Sync + fmt::Debug {
+    /// The payload.
+    fn payload(&self) -> &[u8];
+    /// The headers.
+    fn headers(&self) -> &Headers;
+    /// The broker's own message id property, if the protocol has one and it is set
+    /// (AMQP `message_id`).
+    fn broker_message_id(&self) -> Option<&[u8]>;
+    /// Whether the broker says it delivered this message before.
+    fn redelivered(&self) -> bool;
+    /// How often the broker delivered this message, this time included, where it counts
+    /// (RabbitMQ quorum queues' `x-delivery-count` + 1). Feeds the attempt limit.
+    fn delivery_count(&self) -> Option<u32> {
+        None
+    }
+    /// The record's position, where the broker has one (Kafka `topic/partition/offset`).
+    fn coordinates(&self) -> Option<String> {
+        None
+    }
+    /// Acknowledges the delivery. Needs the [`AckToken`] that only a commit yields.
+    ///
+    /// An error means the broker may redeliver: the inbox will discard that copy.
+    async fn ack(self: Box<Self>, token: AckToken) -> Result<(), TransportError>;
+    /// Hands the delivery back. With `requeue`, the broker delivers it again (to any instance).
+    async fn nack(self: Box<Self>, requeue: bool) -> Result<(), TransportError>;
+}
+
+/// What a transport can do, so the engine (and the conformance suite) adapt to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Capabilities {
+    /// A nack with requeue makes the broker redeliver (RabbitMQ, memory). Without it (Kafka),
+    /// failures are retried in place.
+    pub requeue: bool,
+    /// Deliveries carry a delivery count.
+    pub delivery_count: bool,
+    /// Deliveries carry coordinates usable as ids.
+    pub coordinates: bool,
+}
+
+impl Capabilities {
+    /// Capabilities of a broker with requeue and nothing else.
+    pub const fn basic() -> Self {
+        Self {
+            requeue: true,
+            delivery_count: false,
+            coordinates: false,
+        }
+    }
+
+    /// Sets `requeue`.
+    pub const fn with_requeue(mut self, yes: bool) -> Self {
+        self.requeue = yes;
+        self
+    }
+
+    /// Sets `delivery_count`.
+    pub const fn with_delivery_count(mut self, yes: bool) -> Self {
+        self.delivery_count = yes;
+        self
+    }
+
+    /// Sets `coordinates`.
+    pub const fn with_coordinates(mut self, yes: bool) -> Self {
+        self.coordinates = yes;
+        self
+    }
+}
+
+/// What a consumer subscribes to.
+///
+/// `source` is a topic (Kafka topic, RabbitMQ exchange, memory topic). Every consumer name gets
+/// every message of the source once (its own queue or consumer group); instances that share a
+/// consumer name compete for the messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Subscription {
+    /// The topic to consume.
+    pub source: String,
+    /// The consumer: the group whose instances compete.
+    pub consumer: ConsumerName,
+    /// How many unacknowledged deliveries the broker may hand this instance at once.
+    pub prefetch: u16,
+}
+
+impl Subscription {
+    /// A subscription with the given prefetch.
+    pub fn new(source: impl Into<String>, consumer: ConsumerName, prefetch: u16) -> Self {
+        Self {
+            source: source.into(),
+            consumer,
+            prefetch,
+        }
+    }
+}
+
+/// The deliveries of one subscription. Ends (or yields an error) when the connection is lost; the
+/// consumer then subscribes again.
+pub type DeliveryStream = BoxStream<'static, Result<Box<dyn Delivery>, TransportError>>;
+
+/// A message broker: subscribe to a source, publish to a destination.
+#[async_trait]
+pub trait Transport: Send + Sync + fmt::Debug {
+    /// A short name for logs and metrics labels (`memory`, `rabbitmq`, `kafka`).
+    fn name(&self) -> &'static str;
+    /// What this broker can do.
+    fn capabilities(&self) -> Capabilities;
+    /// Starts consuming.
+    async fn subscribe(&self, subscription: &Subscription) -> Result<DeliveryStream, TransportError>;
+    /// Publishes one message and returns once the broker has it (publisher confirms where the
+    /// broker has them).
+    async fn publish(&self, destination: &str, message: OutgoingMessage) -> Result<(), TransportError>;
+}
