@@ -163,6 +163,28 @@ pub trait InboxStore: Send + Sync + 'static {
     async fn stats(&self, consumer: Option<&ConsumerName>) -> Result<Vec<ConsumerStats>, StoreError>;
 }
 
+/// The pool's `after_release` hook: `false` (close the connection) when it comes back still
+/// inside a transaction.
+///
+/// That happens when a task is cancelled or aborted while its `BEGIN` is in flight: the driver
+/// finishes the `BEGIN` after the future is gone, and nothing rolls it back. Back in the pool,
+/// such a connection would hold its locks (on SQLite, the database's write lock) for ever and turn
+/// the next `BEGIN` into a savepoint. Closing it rolls the transaction back.
+///
+/// ```no_run
+/// # #[cfg(feature = "postgres")]
+/// # async fn f() -> Result<(), sqlx::Error> {
+/// let pool = sqlx::postgres::PgPoolOptions::new()
+///     .after_release(|conn, _| Box::pin(async move { Ok(inbox_core::store::release_clean(conn)) }))
+///     .connect("postgres://localhost/app")
+///     .await?;
+/// # Ok(()) }
+/// ```
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub fn release_clean<C: sqlx::Connection>(conn: &mut C) -> bool {
+    !conn.is_in_transaction()
+}
+
 /// Cuts an error text to [`MAX_ERROR_CHARS`].
 pub(crate) fn truncate_error(error: &str) -> &str {
     match error.char_indices().nth(MAX_ERROR_CHARS) {

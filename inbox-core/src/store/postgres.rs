@@ -24,7 +24,8 @@ pub struct PostgresStore {
 }
 
 impl PostgresStore {
-    /// Wraps an existing pool (share it with your application's own queries).
+    /// Wraps an existing pool (share it with your application's own queries). Give the pool the
+    /// `after_release` hook [`release_clean`](super::release_clean).
     pub fn new(pool: PgPool) -> Self {
         Self { pool }
     }
@@ -35,6 +36,7 @@ impl PostgresStore {
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(10))
+            .after_release(|conn, _| Box::pin(async move { Ok(super::release_clean(conn)) }))
             .connect_with(options)
             .await
             .map_err(store_error)?;

@@ -36,8 +36,9 @@ pub struct SqliteStore {
 }
 
 impl SqliteStore {
-    /// Wraps an existing pool. Use WAL mode and a generous busy timeout: writers queue on the
-    /// database lock, and a claim waits there for a concurrent copy's transaction.
+    /// Wraps an existing pool. Use WAL mode and a generous busy timeout (writers queue on the
+    /// database lock, and a claim waits there for a concurrent copy's transaction), and see
+    /// [`release_clean`](super::release_clean) for the `after_release` hook the pool needs.
     pub fn new(pool: SqlitePool) -> Self {
         Self { pool }
     }
@@ -58,6 +59,7 @@ impl SqliteStore {
             .min_connections(if max == 1 { 1 } else { 0 })
             .idle_timeout(if max == 1 { None } else { Some(Duration::from_secs(600)) })
             .max_lifetime(if max == 1 { None } else { Some(Duration::from_secs(1800)) })
+            .after_release(|conn, _| Box::pin(async move { Ok(super::release_clean(conn)) }))
             .connect_with(options)
             .await
             .map_err(store_error)?;

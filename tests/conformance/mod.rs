@@ -1,0 +1,881 @@
+//! The conformance suite: every scenario is written once, as a plain async function over a broker
+//! factory and a database, and run on every (transport, store) pair by
+//! [`conformance_suite!`](crate::conformance_suite).
+#![allow(dead_code)]
+
+pub mod services;
+pub mod stores;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use inbox::memory::Faults;
+use inbox::{
+    AckToken, Capabilities, CancellationToken, Consumer, ConsumerError, ConsumerName, ConsumerReport, Delivery,
+    DeliveryStream, Handler, HandlerError, Headers, InboxStore, Message, OutgoingMessage, RetryPolicy,
+    Subscription, Transport, TransportError, dead_letter_headers,
+};
+use tokio::task::JoinHandle;
+
+pub use stores::TestDb;
+
+/// How long any scenario waits for a condition before it fails.
+pub const DEADLINE: Duration = Duration::from_secs(60);
+
+/// A broker prepared for one scenario.
+#[async_trait]
+pub trait TestBroker: Send + Sync {
+    /// A transport on this broker (instances may share it).
+    fn transport(&self) -> Arc<dyn Transport>;
+    /// Declares what a publish before the first subscription needs (queues, groups).
+    async fn prepare(&self, source: &str, consumers: &[&ConsumerName]);
+    /// `Ok` when nothing waits and nothing is unacknowledged for these consumers.
+    async fn settled(&self, source: &str, consumers: &[&ConsumerName]) -> Result<(), String>;
+    /// Everything published to `destination` so far.
+    async fn published(&self, destination: &str) -> Vec<OutgoingMessage>;
+}
+
+/// Makes a fresh broker per scenario.
+#[async_trait]
+pub trait BrokerFactory: Send + Sync {
+    /// For test names and messages.
+    fn name(&self) -> &'static str;
+    /// Whether [`start`](Self::start) honours injected faults.
+    fn injects_faults(&self) -> bool;
+    /// A broker; `faults` where supported.
+    async fn start(&self, faults: Faults) -> Box<dyn TestBroker>;
+}
+
+/// Polls `check` until it returns `Ok`, failing with its last message at the deadline.
+pub async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let last = match check().await {
+            Ok(()) => return,
+            Err(e) => e,
+        };
+        if tokio::time::Instant::now() >= deadline {
+            panic!("{what}: not reached within {DEADLINE:?}: {last}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// An async hook run by the test handler before it writes the effect: (message id, call number).
+pub type Hook = Arc<dyn Fn(String, u32) -> BoxFuture<'static, Result<(), HandlerError>> + Send + Sync>;
+
+/// What the test handler does, per message id.
+#[derive(Default)]
+pub struct Script {
+    /// Every message fails transiently on its first N calls.
+    pub fail_first: u32,
+    /// These ids always fail transiently.
+    pub always_fail: HashSet<String>,
+    /// These ids fail permanently.
+    pub permanent: HashSet<String>,
+    /// These ids panic on their first call.
+    pub panic_once: HashSet<String>,
+    /// Decode the payload as JSON `{"n": <number>}` first.
+    pub decode_json: bool,
+    /// Runs before the effect is written.
+    pub hook: Option<Hook>,
+    calls: Mutex<HashMap<String, u32>>,
+}
+
+impl Script {
+    /// Handler calls per id so far.
+    pub fn calls(&self, id: &str) -> u32 {
+        self.calls.lock().unwrap().get(id).copied().unwrap_or(0)
+    }
+}
+
+#[derive(serde::Deserialize)]
+#[allow(dead_code)]
+struct Payload {
+    n: u64,
+}
+
+/// The handler every scenario uses: writes one effect row per handled message, in the inbox
+/// transaction, after doing what its [`Script`] says.
+pub struct TestHandler<D: TestDb> {
+    run: String,
+    script: Arc<Script>,
+    db: Arc<D>,
+}
+
+#[async_trait]
+impl<D: TestDb> Handler<<D::Store as InboxStore>::Tx> for TestHandler<D> {
+    async fn handle(
+        &self,
+        message: &Message<'_>,
+        tx: &mut <D::Store as InboxStore>::Tx,
+    ) -> Result<(), HandlerError> {
+        let id = message.id.as_str().to_owned();
+        let call = {
+            let mut calls = self.script.calls.lock().unwrap();
+            let n = calls.entry(id.clone()).or_default();
+            *n += 1;
+            *n
+        };
+        if self.script.decode_json {
+            let _: Payload = message.json()?;
+        }
+        if self.script.permanent.contains(&id) {
+            return Err(HandlerError::permanent(format!("{id} can never succeed")));
+        }
+        if self.script.always_fail.contains(&id) {
+            return Err(HandlerError::transient(format!("{id} fails every time (call {call})")));
+        }
+        if call <= self.script.fail_first {
+            return Err(HandlerError::transient(format!("scripted failure {call} of {id}")));
+        }
+        if call == 1 && self.script.panic_once.contains(&id) {
+            panic!("scripted panic in {id}");
+        }
+        if let Some(hook) = &self.script.hook {
+            hook(id.clone(), call).await?;
+        }
+        self.db
+            .write_effect(tx, &self.run, message.consumer.as_str(), &id)
+            .await
+            .map_err(HandlerError::from)
+    }
+}
+
+/// One scenario's world: a fresh broker, a migrated store, and names unique to this run.
+pub struct Scenario<D: TestDb> {
+    pub db: Arc<D>,
+    pub store: D::Store,
+    pub broker: Box<dyn TestBroker>,
+    pub run: String,
+    pub source: String,
+}
+
+impl<D: TestDb> Scenario<D> {
+    pub async fn new(brokers: &dyn BrokerFactory, db: &Arc<D>, faults: Faults) -> Self {
+        let run = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+        let store = db.store().await;
+        let broker = brokers.start(faults).await;
+        Self {
+            db: Arc::clone(db),
+            store,
+            broker,
+            source: format!("conformance.{run}"),
+            run,
+        }
+    }
+
+    /// A consumer name unique to this run.
+    pub fn name(&self, base: &str) -> ConsumerName {
+        ConsumerName::new(format!("{base}-{}", self.run)).unwrap()
+    }
+
+    /// A message id unique to this run.
+    pub fn id(&self, i: usize) -> String {
+        format!("{}-m{i}", self.run)
+    }
+
+    /// The dead-letter destination of this run's source.
+    pub fn dead_letter_destination(&self) -> String {
+        format!("{}.dead-letter", self.source)
+    }
+
+    /// A consumer with fast retries, ready to run.
+    pub fn consumer(&self, name: &ConsumerName, script: &Arc<Script>) -> Consumer<D::Store, TestHandler<D>> {
+        self.consumer_on(self.broker.transport(), name, script)
+    }
+
+    /// The same, on a given transport (for wrapped transports).
+    pub fn consumer_on(
+        &self,
+        transport: Arc<dyn Transport>,
+        name: &ConsumerName,
+        script: &Arc<Script>,
+    ) -> Consumer<D::Store, TestHandler<D>> {
+        let handler = TestHandler {
+            run: self.run.clone(),
+            script: Arc::clone(script),
+            db: Arc::clone(&self.db),
+        };
+        Consumer::new(name.clone(), self.source.clone(), transport, self.store.clone(), handler)
+            .concurrency(4)
+            .retry(
+                RetryPolicy::default()
+                    .with_max_attempts(4)
+                    .with_in_process_retries(1)
+                    .with_delays(Duration::from_millis(5), Duration::from_millis(40)),
+            )
+            .reconnect_backoff(RetryPolicy::default().with_delays(Duration::from_millis(10), Duration::from_millis(200)))
+    }
+
+    /// Publishes a JSON payload `{"n": i}` under `id` to the source.
+    pub async fn publish(&self, id: &str, n: usize) {
+        self.publish_raw(OutgoingMessage::new(id, format!(r#"{{"n":{n}}}"#))).await;
+    }
+
+    pub async fn publish_raw(&self, message: OutgoingMessage) {
+        self.broker
+            .transport()
+            .publish(&self.source, message)
+            .await
+            .expect("publish");
+    }
+
+    /// Effect rows per (consumer, message id) of this run.
+    pub async fn effects(&self) -> HashMap<(String, String), i64> {
+        self.db.effects(&self.store, &self.run).await
+    }
+
+    /// Waits until `expected` effects exist (counting duplicates) and the broker is settled.
+    pub async fn wait_for(&self, consumers: &[&ConsumerName], expected: usize) {
+        eventually("all messages handled and settled", || async {
+            let total: i64 = self.effects().await.values().sum();
+            if (total as usize) < expected {
+                return Err(format!("{total} of {expected} effects"));
+            }
+            self.broker.settled(&self.source, consumers).await
+        })
+        .await;
+    }
+
+    /// Asserts exactly one effect for every (consumer, id) given, and nothing else.
+    pub async fn assert_exactly_once(&self, consumers: &[&ConsumerName], ids: &[String]) {
+        let effects = self.effects().await;
+        let mut problems = Vec::new();
+        for consumer in consumers {
+            for id in ids {
+                let n = effects.get(&(consumer.to_string(), id.clone())).copied().unwrap_or(0);
+                if n != 1 {
+                    problems.push(format!("{consumer}/{id}: {n} effects"));
+                }
+            }
+        }
+        let expected = consumers.len() * ids.len();
+        if effects.len() != expected {
+            problems.push(format!("{} distinct effects, expected {expected}", effects.len()));
+        }
+        assert!(problems.is_empty(), "exactly-once violated: {problems:?}");
+    }
+}
+
+/// Consumer instances running in the background.
+pub struct Running {
+    token: CancellationToken,
+    handles: Vec<JoinHandle<Result<ConsumerReport, ConsumerError>>>,
+}
+
+impl Running {
+    pub fn start<S: InboxStore, H: Handler<S::Tx>>(consumer: &Consumer<S, H>, instances: usize) -> Self {
+        let token = CancellationToken::new();
+        let handles = (0..instances)
+            .map(|_| {
+                let consumer = consumer.clone();
+                let token = token.clone();
+                tokio::spawn(async move { consumer.run(token).await })
+            })
+            .collect();
+        Self { token, handles }
+    }
+
+    pub fn token(&self) -> &CancellationToken {
+        &self.token
+    }
+
+    /// Cancels and waits for a clean drain.
+    pub async fn stop(self) {
+        self.token.cancel();
+        for handle in self.handles {
+            let result = tokio::time::timeout(DEADLINE, handle)
+                .await
+                .expect("the consumer drains within the deadline")
+                .expect("the consumer task does not panic");
+            result.expect("the consumer stops without error");
+        }
+    }
+
+    /// Kills the instances like a crash: no drain, no acks for what was in flight.
+    pub async fn abort(self) {
+        for handle in self.handles {
+            handle.abort();
+            let _ = handle.await;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Transport wrappers the scenarios use to make faults on any broker.
+
+/// Wraps a transport so that the first ack of each message is replaced by a requeue: from the
+/// broker's side exactly what a consumer crash between commit and ack looks like.
+#[derive(Debug)]
+pub struct CrashBeforeFirstAck {
+    inner: Arc<dyn Transport>,
+    seen: Arc<Mutex<HashSet<Vec<u8>>>>,
+    pub crashes: Arc<AtomicUsize>,
+}
+
+impl CrashBeforeFirstAck {
+    pub fn new(inner: Arc<dyn Transport>) -> Self {
+        Self {
+            inner,
+            seen: Arc::default(),
+            crashes: Arc::default(),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct CrashingDelivery {
+    inner: Box<dyn Delivery>,
+    seen: Arc<Mutex<HashSet<Vec<u8>>>>,
+    crashes: Arc<AtomicUsize>,
+}
+
+#[async_trait]
+impl Delivery for CrashingDelivery {
+    fn payload(&self) -> &[u8] {
+        self.inner.payload()
+    }
+    fn headers(&self) -> &Headers {
+        self.inner.headers()
+    }
+    fn broker_message_id(&self) -> Option<&[u8]> {
+        self.inner.broker_message_id()
+    }
+    fn redelivered(&self) -> bool {
+        self.inner.redelivered()
+    }
+    fn delivery_count(&self) -> Option<u32> {
+        self.inner.delivery_count()
+    }
+    fn coordinates(&self) -> Option<String> {
+        self.inner.coordinates()
+    }
+    async fn ack(self: Box<Self>, token: AckToken) -> Result<(), TransportError> {
+        let key = self
+            .inner
+            .broker_message_id()
+            .map(<[u8]>::to_vec)
+            .or_else(|| self.inner.headers().get("message-id").map(<[u8]>::to_vec))
+            .unwrap_or_default();
+        if self.seen.lock().unwrap().insert(key) {
+            self.crashes.fetch_add(1, Ordering::SeqCst);
+            drop(token);
+            return self.inner.nack(true).await;
+        }
+        self.inner.ack(token).await
+    }
+    async fn nack(self: Box<Self>, requeue: bool) -> Result<(), TransportError> {
+        self.inner.nack(requeue).await
+    }
+}
+
+#[async_trait]
+impl Transport for CrashBeforeFirstAck {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    async fn subscribe(&self, subscription: &Subscription) -> Result<DeliveryStream, TransportError> {
+        let seen = Arc::clone(&self.seen);
+        let crashes = Arc::clone(&self.crashes);
+        let stream = self.inner.subscribe(subscription).await?;
+        Ok(Box::pin(stream.map(move |item| {
+            item.map(|inner| {
+                Box::new(CrashingDelivery {
+                    inner,
+                    seen: Arc::clone(&seen),
+                    crashes: Arc::clone(&crashes),
+                }) as Box<dyn Delivery>
+            })
+        })))
+    }
+    async fn publish(&self, destination: &str, message: OutgoingMessage) -> Result<(), TransportError> {
+        self.inner.publish(destination, message).await
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The scenarios.
+
+fn faults_or_none(brokers: &dyn BrokerFactory, faults: Faults) -> Faults {
+    if brokers.injects_faults() { faults } else { Faults::none() }
+}
+
+/// Duplicates from the producer (and, where the broker injects them, duplicate publishes, lost
+/// acks, concurrent copies and reordering): every message has exactly one effect.
+pub async fn exactly_once_under_duplicates<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    let faults = Faults::seeded(11)
+        .duplicate_publish(0.3)
+        .lose_ack(0.2)
+        .concurrent_copy(0.2)
+        .reorder(0.3);
+    let s = Scenario::new(brokers, db, faults_or_none(brokers, faults)).await;
+    let name = s.name("dedup");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = (0..120).map(|i| s.id(i)).collect();
+    let mut producer_duplicates = 0;
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+        if i % 3 == 0 {
+            s.publish(id, i).await;
+            producer_duplicates += 1;
+        }
+    }
+    let script = Arc::new(Script::default());
+    let consumer = s.consumer(&name, &script);
+    let running = Running::start(&consumer, 2);
+    s.wait_for(&[&name], ids.len()).await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+    let report = consumer.report();
+    assert_eq!(report.processed, ids.len() as u64, "{report:?}");
+    assert!(report.duplicates_discarded >= producer_duplicates, "{report:?}");
+    assert_eq!(report.failed, 0, "{report:?}");
+}
+
+/// The consumer "crashes" between commit and ack for every message: each comes back and is
+/// discarded as a duplicate; one effect each.
+pub async fn crash_before_ack_leaves_one_effect<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = s.name("crash");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = (0..40).map(|i| s.id(i)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    let crashing = Arc::new(CrashBeforeFirstAck::new(s.broker.transport()));
+    let script = Arc::new(Script::default());
+    let consumer = s.consumer_on(crashing.clone(), &name, &script);
+    let running = Running::start(&consumer, 1);
+    eventually("every message redelivered after its commit and discarded", || async {
+        let report = consumer.report();
+        if report.duplicates_discarded < ids.len() as u64 {
+            return Err(format!("{report:?}"));
+        }
+        s.broker.settled(&s.source, &[&name]).await
+    })
+    .await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+    assert_eq!(crashing.crashes.load(Ordering::SeqCst), ids.len());
+    assert_eq!(consumer.report().processed, ids.len() as u64);
+}
+
+/// Consumer instances killed mid-stream (no drain) and restarted: nothing lost, nothing doubled.
+pub async fn killed_and_restarted<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = s.name("killed");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = (0..150).map(|i| s.id(i)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    let script = Arc::new(Script {
+        hook: Some(Arc::new(|_, _| {
+            Box::pin(async {
+                tokio::task::yield_now().await;
+                Ok(())
+            })
+        })),
+        ..Script::default()
+    });
+    let consumer = s.consumer(&name, &script);
+    for round in 1..=5 {
+        let running = Running::start(&consumer, 2);
+        let target = (ids.len() * round / 6) as i64;
+        eventually("some progress before the kill", || async {
+            let total: i64 = s.effects().await.values().sum();
+            if total >= target { Ok(()) } else { Err(format!("{total} < {target}")) }
+        })
+        .await;
+        running.abort().await;
+    }
+    let running = Running::start(&consumer, 2);
+    s.wait_for(&[&name], ids.len()).await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+}
+
+/// Several instances get copies of the same messages at the same moment: no double commit.
+pub async fn concurrent_duplicates_never_commit_twice<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    let faults = Faults::seeded(5).concurrent_copy(0.5).max_per_message(2);
+    let s = Scenario::new(brokers, db, faults_or_none(brokers, faults)).await;
+    let name = s.name("concurrent");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = (0..60).map(|i| s.id(i)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        for _ in 0..3 {
+            s.publish(id, i).await;
+        }
+    }
+    let script = Arc::new(Script {
+        // Widen the window between claim and commit.
+        hook: Some(Arc::new(|_, _| {
+            Box::pin(async {
+                for _ in 0..5 {
+                    tokio::task::yield_now().await;
+                }
+                Ok(())
+            })
+        })),
+        ..Script::default()
+    });
+    let consumer = s.consumer(&name, &script);
+    let running = Running::start(&consumer, 4);
+    s.wait_for(&[&name], ids.len()).await;
+    eventually("all copies settled", || async {
+        let report = consumer.report();
+        if report.duplicates_discarded >= 2 * ids.len() as u64 {
+            Ok(())
+        } else {
+            Err(format!("{report:?}"))
+        }
+    })
+    .await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+    let report = consumer.report();
+    assert_eq!(report.processed, ids.len() as u64, "{report:?}");
+    assert_eq!(report.failed, 0, "a concurrent copy waits instead of failing: {report:?}");
+}
+
+/// A handler that fails twice per message, then succeeds: retried in process and through the
+/// broker, one effect each, the attempts recorded.
+pub async fn failing_handler_is_retried_then_succeeds<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = s.name("retry");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = (0..20).map(|i| s.id(i)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    let script = Arc::new(Script {
+        fail_first: 2,
+        panic_once: HashSet::from([ids[0].clone()]),
+        ..Script::default()
+    });
+    let consumer = s.consumer(&name, &script);
+    let running = Running::start(&consumer, 1);
+    s.wait_for(&[&name], ids.len()).await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+    let report = consumer.report();
+    assert_eq!(report.failed, 2 * ids.len() as u64, "{report:?}");
+    assert_eq!(report.dead_lettered, 0, "{report:?}");
+    for id in &ids {
+        assert_eq!(script.calls(id), 3, "{id}");
+        let row = s.db.row(&s.store, &name, id).await.expect("row");
+        assert!(row.processed && !row.dead, "{row:?}");
+        assert_eq!(row.attempts, 2, "{id}: {row:?}");
+    }
+}
+
+/// Two consumers of one source each handle every message once, independently.
+pub async fn two_consumers_each_handle_once<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let (a, b) = (s.name("notification"), s.name("carrier-assignment"));
+    s.broker.prepare(&s.source, &[&a, &b]).await;
+    let ids: Vec<String> = (0..30).map(|i| s.id(i)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+        s.publish(id, i).await;
+    }
+    let script = Arc::new(Script::default());
+    let (ca, cb) = (s.consumer(&a, &script), s.consumer(&b, &script));
+    let (ra, rb) = (Running::start(&ca, 1), Running::start(&cb, 1));
+    s.wait_for(&[&a, &b], 2 * ids.len()).await;
+    ra.stop().await;
+    rb.stop().await;
+    s.assert_exactly_once(&[&a, &b], &ids).await;
+    assert_eq!(ca.report().processed, ids.len() as u64);
+    assert_eq!(cb.report().processed, ids.len() as u64);
+}
+
+fn header<'m>(message: &'m OutgoingMessage, name: &str) -> &'m str {
+    message.headers.get_str(name).unwrap_or("")
+}
+
+/// Missing, empty, over-long and non-UTF-8 ids are dead-lettered with their reason; the consumer
+/// keeps going.
+pub async fn invalid_ids_are_dead_lettered<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = s.name("ids");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let script = Arc::new(Script::default());
+    let consumer = s.consumer(&name, &script);
+    let running = Running::start(&consumer, 1);
+    let before = s.id(0);
+    s.publish(&before, 0).await;
+    let bad = [
+        (OutgoingMessage { payload: "{}".into(), ..OutgoingMessage::default() }, "no message id"),
+        (OutgoingMessage::new("", "{}"), "is empty"),
+        (OutgoingMessage::new("x".repeat(256), "{}"), "256 bytes"),
+        (
+            OutgoingMessage { payload: "{}".into(), ..OutgoingMessage::default() }.with_header("message-id", vec![0xff, 0xfe]),
+            "UTF-8",
+        ),
+        (OutgoingMessage::new("nul\u{0}id", "{}"), "control character"),
+    ];
+    for (message, _) in &bad {
+        s.publish_raw(message.clone()).await;
+    }
+    let after = s.id(1);
+    s.publish(&after, 1).await;
+    s.wait_for(&[&name], 2).await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &[before, after]).await;
+    let dead = s.broker.published(&s.dead_letter_destination()).await;
+    assert_eq!(dead.len(), bad.len(), "{dead:?}");
+    for letter in &dead {
+        assert_eq!(header(letter, dead_letter_headers::CONSUMER), name.as_str());
+        assert_eq!(header(letter, dead_letter_headers::SOURCE), s.source);
+    }
+    for (_, why) in &bad {
+        let reasons: Vec<&str> = dead.iter().map(|l| header(l, dead_letter_headers::REASON)).collect();
+        assert!(reasons.iter().any(|r| r.contains(why)), "no dead letter says {why:?}: {reasons:?}");
+    }
+    assert_eq!(consumer.report().dead_lettered, bad.len() as u64);
+}
+
+/// Poison messages: one failing for ever is dead-lettered after the attempt limit, one failing
+/// permanently at once, one with a payload that does not decode, one too large. The rest pass.
+pub async fn poison_messages_are_dead_lettered<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = s.name("poison");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let (forever, permanent, garbage, huge) = (s.id(100), s.id(101), s.id(102), s.id(103));
+    let good: Vec<String> = (0..10).map(|i| s.id(i)).collect();
+    for (i, id) in good.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    s.publish(&forever, 0).await;
+    s.publish(&permanent, 0).await;
+    s.publish_raw(OutgoingMessage::new(garbage.clone(), "not json {")).await;
+    s.publish_raw(OutgoingMessage::new(huge.clone(), format!(r#"{{"n":1,"pad":"{}"}}"#, "x".repeat(4096))))
+        .await;
+    let script = Arc::new(Script {
+        always_fail: HashSet::from([forever.clone()]),
+        permanent: HashSet::from([permanent.clone()]),
+        decode_json: true,
+        ..Script::default()
+    });
+    let consumer = s.consumer(&name, &script).max_payload_bytes(1024);
+    let running = Running::start(&consumer, 2);
+    s.wait_for(&[&name], good.len()).await;
+    eventually("four dead letters", || async {
+        let n = s.broker.published(&s.dead_letter_destination()).await.len();
+        if n >= 4 { Ok(()) } else { Err(format!("{n} dead letters")) }
+    })
+    .await;
+    eventually("settled", || async { s.broker.settled(&s.source, &[&name]).await }).await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &good).await;
+
+    assert_eq!(script.calls(&forever), 4, "tried max_attempts times, then never again");
+    assert_eq!(script.calls(&permanent), 1);
+    assert_eq!(script.calls(&huge), 0, "too large: never handed to the handler");
+    let dead = s.broker.published(&s.dead_letter_destination()).await;
+    assert_eq!(dead.len(), 4, "{dead:?}");
+    let by_id: HashMap<&str, &OutgoingMessage> =
+        dead.iter().map(|m| (header(m, dead_letter_headers::MESSAGE_ID), m)).collect();
+    let reason = |id: &str| header(by_id[id], dead_letter_headers::REASON).to_owned();
+    assert!(reason(&forever).contains("gave up after 4 attempts"), "{}", reason(&forever));
+    assert!(reason(&forever).contains("fails every time"), "{}", reason(&forever));
+    assert_eq!(header(by_id[forever.as_str()], dead_letter_headers::ATTEMPTS), "4");
+    assert!(reason(&permanent).contains("can never succeed"), "{}", reason(&permanent));
+    assert!(reason(&garbage).contains("not the expected JSON"), "{}", reason(&garbage));
+    assert!(reason(&huge).contains("exceeds the limit of 1024 bytes"), "{}", reason(&huge));
+    assert_eq!(by_id[garbage.as_str()].payload.as_ref(), b"not json {", "the original payload travels");
+    for id in [&forever, &permanent, &garbage, &huge] {
+        let row = s.db.row(&s.store, &name, id).await.expect("a dead row");
+        assert!(row.dead && !row.processed, "{id}: {row:?}");
+        assert!(row.last_error.is_some(), "{id}: {row:?}");
+    }
+    let stats = s.store.stats(Some(&name)).await.unwrap();
+    assert_eq!(stats.len(), 1);
+    assert_eq!((stats[0].processed, stats[0].dead, stats[0].failing), (10, 4, 0), "{stats:?}");
+
+    // A later copy of a dead message is discarded, not handled again.
+    let running = Running::start(&consumer, 1);
+    s.publish(&permanent, 0).await;
+    eventually("the copy is discarded", || async {
+        s.broker.settled(&s.source, &[&name]).await?;
+        if consumer.report().duplicates_discarded >= 1 { Ok(()) } else { Err("not yet".into()) }
+    })
+    .await;
+    running.stop().await;
+    assert_eq!(script.calls(&permanent), 1);
+
+    // The operator's replay: clear the mark; the next delivery is handled (and fails again).
+    assert!(s.store.clear_dead(&name, &inbox::MessageId::new(permanent.clone()).unwrap()).await.unwrap());
+    let row = s.db.row(&s.store, &name, &permanent).await.unwrap();
+    assert!(!row.dead && !row.processed, "{row:?}");
+}
+
+/// Shutdown: stop taking deliveries, let in-flight handlers finish and commit and ack, return.
+/// A restart then handles the rest, each once.
+pub async fn shutdown_drains_in_flight<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = s.name("drain");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = (0..12).map(|i| s.id(i)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    let entered = Arc::new(AtomicUsize::new(0));
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let script = Arc::new(Script {
+        hook: Some({
+            let (entered, release) = (Arc::clone(&entered), Arc::clone(&release));
+            Arc::new(move |_, _| {
+                let (entered, release) = (Arc::clone(&entered), Arc::clone(&release));
+                Box::pin(async move {
+                    entered.fetch_add(1, Ordering::SeqCst);
+                    release.acquire().await.unwrap().forget();
+                    Ok(())
+                })
+            })
+        }),
+        ..Script::default()
+    });
+    let consumer = s.consumer(&name, &script).concurrency(3).prefetch(3);
+    let running = Running::start(&consumer, 1);
+    // A single-writer database lets one handler in at a time; the others wait in BEGIN.
+    let in_handler = if D::CONCURRENT_WRITERS { 3 } else { 1 };
+    eventually("handlers in flight", || async {
+        let (entered, taken) = (entered.load(Ordering::SeqCst), consumer.report().deliveries);
+        if entered == in_handler && taken == 3 {
+            Ok(())
+        } else {
+            Err(format!("{entered} in the handler, {taken} deliveries taken"))
+        }
+    })
+    .await;
+    running.token().cancel();
+    release.add_permits(1000);
+    running.stop().await;
+    let handled: i64 = s.effects().await.values().sum();
+    assert_eq!(handled, 3, "exactly the in-flight messages were finished");
+    assert_eq!(consumer.report().processed, 3);
+    assert_eq!(consumer.report().deliveries, 3, "nothing new was taken after the stop");
+
+    let running = Running::start(&consumer, 1);
+    s.wait_for(&[&name], ids.len()).await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+}
+
+/// Quotes, semicolons and SQL keywords in consumer names and ids are just text.
+pub async fn hostile_values_are_bound_parameters<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = ConsumerName::new(format!("o'brien\"; DROP TABLE inbox_messages; -- {}", s.run)).unwrap();
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = [
+        "'); DELETE FROM inbox_messages; --",
+        "\" OR 1=1 --",
+        "%_\\ LIKE 'x'",
+        "Robert'); DROP TABLE conformance_effects;--",
+        "$1 $2 ? :name @p",
+    ]
+    .iter()
+    .map(|v| format!("{v} {}", s.run))
+    .collect();
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+        s.publish(id, i).await;
+    }
+    let script = Arc::new(Script::default());
+    let consumer = s.consumer(&name, &script);
+    let running = Running::start(&consumer, 1);
+    s.wait_for(&[&name], ids.len()).await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+    for id in &ids {
+        let row = s.db.row(&s.store, &name, id).await.expect("stored verbatim");
+        assert!(row.processed);
+    }
+}
+
+/// Cleanup deletes processed rows in batches and keeps dead-lettered ones.
+pub async fn cleanup_keeps_dead_letters<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = s.name("cleanup");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = (0..25).map(|i| s.id(i)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    let script = Arc::new(Script {
+        permanent: HashSet::from([ids[0].clone()]),
+        ..Script::default()
+    });
+    let consumer = s.consumer(&name, &script);
+    let running = Running::start(&consumer, 1);
+    s.wait_for(&[&name], ids.len() - 1).await;
+    running.stop().await;
+    // Rows of other scenarios sharing the database may be deleted too; count only ours.
+    let report = s.store.cleanup(Duration::from_secs(3600), 10).await.unwrap();
+    assert!(!report.skipped_locked);
+    let stats = s.store.stats(Some(&name)).await.unwrap();
+    assert_eq!(stats[0].rows, 25, "nothing is younger than an hour ago: {report:?}");
+    let report = s.store.cleanup(Duration::ZERO, 10).await.unwrap();
+    assert!(report.deleted >= 24 && report.batches >= 3, "{report:?}");
+    let stats = s.store.stats(Some(&name)).await.unwrap();
+    assert_eq!((stats[0].rows, stats[0].dead), (1, 1), "only the dead row is left: {stats:?}");
+}
+
+/// Our migrations are idempotent and keep out of the application's own sqlx migrations.
+pub async fn migrations_coexist_with_the_application<D: TestDb>(_brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    let store = db.store().await;
+    store.migrate().await.expect("migrating again is a no-op");
+    db.check_app_migrations_coexist().await;
+}
+
+/// Generates one `#[tokio::test]` per scenario for a (broker factory, database) pair.
+#[macro_export]
+macro_rules! conformance_suite {
+    ($module:ident, $brokers:expr, $db:expr) => {
+        mod $module {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::conformance_suite!(@tests $brokers, $db;
+                exactly_once_under_duplicates,
+                crash_before_ack_leaves_one_effect,
+                killed_and_restarted,
+                concurrent_duplicates_never_commit_twice,
+                failing_handler_is_retried_then_succeeds,
+                two_consumers_each_handle_once,
+                invalid_ids_are_dead_lettered,
+                poison_messages_are_dead_lettered,
+                shutdown_drains_in_flight,
+                hostile_values_are_bound_parameters,
+                cleanup_keeps_dead_letters,
+                migrations_coexist_with_the_application,
+            );
+        }
+    };
+    (@tests $brokers:expr, $db:expr; $($scenario:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $scenario() {
+                let _ = tracing_subscriber::fmt().with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_env("TEST_LOG").unwrap_or_else(|_| "off".into()),
+                ).with_test_writer().try_init();
+                let db = std::sync::Arc::new($db.await);
+                $crate::conformance::$scenario(&$brokers, &db).await;
+            }
+        )*
+    };
+}

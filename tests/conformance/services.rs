@@ -1,0 +1,50 @@
+//! Where the real services are: an environment variable, else a container when a Docker engine is
+//! reachable, else a loud failure that says what to set.
+
+use std::sync::OnceLock;
+
+/// Whether a Docker engine looks reachable (testcontainers' own checks are slower to fail).
+fn docker_reachable() -> bool {
+    std::env::var_os("DOCKER_HOST").is_some() || std::path::Path::new("/var/run/docker.sock").exists()
+}
+
+fn missing(var: &str, example: &str) -> ! {
+    panic!(
+        "{var} is not set and no Docker engine is reachable for testcontainers. \
+         Set {var} (for example {var}={example}) or run scripts/test, which starts the services."
+    )
+}
+
+/// The PostgreSQL URL for the tests.
+pub fn postgres_url() -> String {
+    static URL: OnceLock<String> = OnceLock::new();
+    URL.get_or_init(|| {
+        if let Ok(url) = std::env::var("DATABASE_URL") {
+            return url;
+        }
+        if !docker_reachable() {
+            missing("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
+        }
+        containers::postgres()
+    })
+    .clone()
+}
+
+mod containers {
+    use testcontainers_modules::postgres::Postgres;
+    use testcontainers_modules::testcontainers::runners::SyncRunner;
+
+    /// Starts PostgreSQL in a container kept for the life of the test process.
+    pub fn postgres() -> String {
+        let container = Postgres::default()
+            .start()
+            .expect("starting a PostgreSQL container with testcontainers");
+        let port = container
+            .get_host_port_ipv4(5432)
+            .expect("the PostgreSQL container's port");
+        // Leaked on purpose: the container lives as long as the test binary (testcontainers'
+        // reaper removes it afterwards).
+        std::mem::forget(container);
+        format!("postgres://postgres:postgres@127.0.0.1:{port}/postgres")
+    }
+}

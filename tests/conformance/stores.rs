@@ -1,0 +1,262 @@
+//! The databases the suite runs on: each scenario gets a database of its own, so that cleanup and
+//! migrations in one scenario never touch another's rows.
+
+use std::collections::HashMap;
+
+use async_trait::async_trait;
+use inbox::{ConsumerName, InboxStore, PgTx, PostgresStore, SqliteStore, SqliteTx};
+use sqlx::migrate::Migrator;
+use sqlx::{Connection, Executor};
+
+use super::services;
+
+/// An inbox row as the tests inspect it.
+#[derive(Debug, Clone)]
+pub struct InboxRow {
+    pub processed: bool,
+    pub dead: bool,
+    pub attempts: i64,
+    pub last_error: Option<String>,
+}
+
+/// A database the conformance suite can run on.
+#[async_trait]
+pub trait TestDb: Send + Sync + Sized + 'static {
+    type Store: InboxStore + Clone;
+    /// Whether several write transactions run at once (not on SQLite).
+    const CONCURRENT_WRITERS: bool;
+    /// A migrated store on a database of its own, with the effects table.
+    async fn store(&self) -> Self::Store;
+    /// The test handler's business write.
+    async fn write_effect(
+        &self,
+        tx: &mut <Self::Store as InboxStore>::Tx,
+        run: &str,
+        consumer: &str,
+        message_id: &str,
+    ) -> Result<(), sqlx::Error>;
+    /// Effect rows per (consumer, message id).
+    async fn effects(&self, store: &Self::Store, run: &str) -> HashMap<(String, String), i64>;
+    /// The inbox row of (consumer, id).
+    async fn row(&self, store: &Self::Store, consumer: &ConsumerName, id: &str) -> Option<InboxRow>;
+    /// Runs an application's own sqlx migrations (version 1, like ours would be if we used
+    /// `_sqlx_migrations`) next to ours, in both orders.
+    async fn check_app_migrations_coexist(&self);
+}
+
+const EFFECTS: &str = "CREATE TABLE IF NOT EXISTS conformance_effects (
+    run TEXT NOT NULL, consumer TEXT NOT NULL, message_id TEXT NOT NULL)";
+
+fn app_migrator() -> Migrator {
+    // Built at run time from a folder of its own, as an application's `migrate!()` would be.
+    let dir = std::env::temp_dir().join(format!("inbox-app-migrations-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("1_app_orders.sql"), "CREATE TABLE app_orders (id INTEGER PRIMARY KEY);").unwrap();
+    let migrator = futures::executor::block_on(Migrator::new(dir.as_path())).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    migrator
+}
+
+/// SQLite: a new database file per scenario.
+pub struct Sqlite;
+
+impl Sqlite {
+    fn fresh_url() -> String {
+        let path = std::env::temp_dir().join(format!("inbox-conformance-{}.db", uuid::Uuid::new_v4().simple()));
+        format!("sqlite:{}", path.display())
+    }
+}
+
+#[async_trait]
+impl TestDb for Sqlite {
+    type Store = SqliteStore;
+    const CONCURRENT_WRITERS: bool = false;
+
+    async fn store(&self) -> SqliteStore {
+        let store = SqliteStore::connect(&Self::fresh_url()).await.expect("open SQLite");
+        store.migrate().await.expect("migrate SQLite");
+        store.pool().execute(EFFECTS).await.expect("effects table");
+        store
+    }
+
+    async fn write_effect(&self, tx: &mut SqliteTx, run: &str, consumer: &str, id: &str) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO conformance_effects (run, consumer, message_id) VALUES ($1, $2, $3)")
+            .bind(run)
+            .bind(consumer)
+            .bind(id)
+            .execute(&mut **tx)
+            .await
+            .map(drop)
+    }
+
+    async fn effects(&self, store: &SqliteStore, run: &str) -> HashMap<(String, String), i64> {
+        let rows: Vec<(String, String, i64)> = sqlx::query_as(
+            "SELECT consumer, message_id, count(*) FROM conformance_effects WHERE run = $1 GROUP BY 1, 2",
+        )
+        .bind(run)
+        .fetch_all(store.pool())
+        .await
+        .expect("read effects");
+        rows.into_iter().map(|(c, m, n)| ((c, m), n)).collect()
+    }
+
+    async fn row(&self, store: &SqliteStore, consumer: &ConsumerName, id: &str) -> Option<InboxRow> {
+        let row: Option<(bool, bool, i64, Option<String>)> = sqlx::query_as(
+            "SELECT processed_at IS NOT NULL, dead_lettered_at IS NOT NULL, attempts, last_error
+             FROM inbox_messages WHERE consumer = $1 AND message_id = $2",
+        )
+        .bind(consumer.as_str())
+        .bind(id)
+        .fetch_optional(store.pool())
+        .await
+        .expect("read inbox row");
+        row.map(|(processed, dead, attempts, last_error)| InboxRow { processed, dead, attempts, last_error })
+    }
+
+    async fn check_app_migrations_coexist(&self) {
+        let app = app_migrator();
+        for ours_first in [true, false] {
+            let store = SqliteStore::connect(&Self::fresh_url()).await.unwrap();
+            if ours_first {
+                store.migrate().await.unwrap();
+            }
+            app.run(store.pool()).await.expect("the application's migrations run beside ours");
+            store.migrate().await.expect("ours run beside the application's");
+            app.run(store.pool()).await.expect("and again");
+            let versions: Vec<i64> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations")
+                .fetch_all(store.pool())
+                .await
+                .unwrap();
+            assert_eq!(versions, vec![1], "only the application's version in _sqlx_migrations");
+        }
+    }
+}
+
+/// PostgreSQL: a new database per scenario on the server of `DATABASE_URL`.
+pub struct Postgres;
+
+impl Postgres {
+    async fn fresh_url() -> String {
+        let base = services::postgres_url();
+        let name = format!("inbox_t_{}", uuid::Uuid::new_v4().simple());
+        let mut admin = sqlx::PgConnection::connect(&base).await.expect(
+            "connect to PostgreSQL at DATABASE_URL (scripts/test starts it; see the README)",
+        );
+        admin
+            .execute(format!("CREATE DATABASE {name}").as_str())
+            .await
+            .expect("create a scenario database");
+        let mut url: url_like::Url = base.parse().unwrap();
+        url.set_database(&name);
+        url.to_string()
+    }
+}
+
+#[async_trait]
+impl TestDb for Postgres {
+    type Store = PostgresStore;
+    const CONCURRENT_WRITERS: bool = true;
+
+    async fn store(&self) -> PostgresStore {
+        let store = PostgresStore::connect(&Self::fresh_url().await, 8).await.expect("connect PostgreSQL");
+        store.migrate().await.expect("migrate PostgreSQL");
+        store.pool().execute(EFFECTS).await.expect("effects table");
+        store
+    }
+
+    async fn write_effect(&self, tx: &mut PgTx, run: &str, consumer: &str, id: &str) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO conformance_effects (run, consumer, message_id) VALUES ($1, $2, $3)")
+            .bind(run)
+            .bind(consumer)
+            .bind(id)
+            .execute(&mut **tx)
+            .await
+            .map(drop)
+    }
+
+    async fn effects(&self, store: &PostgresStore, run: &str) -> HashMap<(String, String), i64> {
+        let rows: Vec<(String, String, i64)> = sqlx::query_as(
+            "SELECT consumer, message_id, count(*) FROM conformance_effects WHERE run = $1 GROUP BY 1, 2",
+        )
+        .bind(run)
+        .fetch_all(store.pool())
+        .await
+        .expect("read effects");
+        rows.into_iter().map(|(c, m, n)| ((c, m), n)).collect()
+    }
+
+    async fn row(&self, store: &PostgresStore, consumer: &ConsumerName, id: &str) -> Option<InboxRow> {
+        let row: Option<(bool, bool, i32, Option<String>)> = sqlx::query_as(
+            "SELECT processed_at IS NOT NULL, dead_lettered_at IS NOT NULL, attempts, last_error
+             FROM inbox_messages WHERE consumer = $1 AND message_id = $2",
+        )
+        .bind(consumer.as_str())
+        .bind(id)
+        .fetch_optional(store.pool())
+        .await
+        .expect("read inbox row");
+        row.map(|(processed, dead, attempts, last_error)| InboxRow {
+            processed,
+            dead,
+            attempts: i64::from(attempts),
+            last_error,
+        })
+    }
+
+    async fn check_app_migrations_coexist(&self) {
+        let app = app_migrator();
+        for ours_first in [true, false] {
+            let store = PostgresStore::connect(&Self::fresh_url().await, 2).await.unwrap();
+            if ours_first {
+                store.migrate().await.unwrap();
+            }
+            app.run(store.pool()).await.expect("the application's migrations run beside ours");
+            store.migrate().await.expect("ours run beside the application's");
+            app.run(store.pool()).await.expect("and again");
+            let versions: Vec<i64> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations")
+                .fetch_all(store.pool())
+                .await
+                .unwrap();
+            assert_eq!(versions, vec![1], "only the application's version in _sqlx_migrations");
+        }
+    }
+}
+
+mod url_like {
+    //! Just enough URL handling to swap the database name of a PostgreSQL URL.
+    use std::fmt;
+    use std::str::FromStr;
+
+    pub struct Url {
+        head: String,
+        query: String,
+    }
+
+    impl FromStr for Url {
+        type Err = String;
+        fn from_str(s: &str) -> Result<Self, String> {
+            let (rest, query) = match s.split_once('?') {
+                Some((r, q)) => (r, format!("?{q}")),
+                None => (s, String::new()),
+            };
+            let scheme_end = rest.find("://").ok_or("not a URL")? + 3;
+            let head = match rest[scheme_end..].find('/') {
+                Some(slash) => rest[..scheme_end + slash].to_owned(),
+                None => rest.to_owned(),
+            };
+            Ok(Self { head, query })
+        }
+    }
+
+    impl Url {
+        pub fn set_database(&mut self, name: &str) {
+            self.head = format!("{}/{name}", self.head);
+        }
+    }
+
+    impl fmt::Display for Url {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            write!(f, "{}{}", self.head, self.query)
+        }
+    }
+}
