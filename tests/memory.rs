@@ -2,55 +2,145 @@
 
 mod conformance;
 
-use std::sync::Arc;
-
-use async_trait::async_trait;
-use conformance::{BrokerFactory, TestBroker};
-use inbox::memory::{Faults, MemoryBroker};
-use inbox::{ConsumerName, OutgoingMessage, Transport};
-
-/// A fresh in-process broker per scenario, honouring injected faults.
-pub struct Memory;
-
-struct MemoryTestBroker(MemoryBroker);
-
-#[async_trait]
-impl TestBroker for MemoryTestBroker {
-    fn transport(&self) -> Arc<dyn Transport> {
-        Arc::new(self.0.clone())
-    }
-    async fn prepare(&self, source: &str, consumers: &[&ConsumerName]) {
-        for consumer in consumers {
-            self.0.declare_group(source, consumer.as_str());
-        }
-    }
-    async fn settled(&self, source: &str, consumers: &[&ConsumerName]) -> Result<(), String> {
-        let left: Vec<String> = consumers
-            .iter()
-            .filter_map(|c| match self.0.backlog(source, c.as_str()) {
-                (0, 0) => None,
-                (ready, in_flight) => Some(format!("{c}: {ready} ready, {in_flight} unacked")),
-            })
-            .collect();
-        if left.is_empty() { Ok(()) } else { Err(left.join("; ")) }
-    }
-    async fn published(&self, destination: &str) -> Vec<OutgoingMessage> {
-        self.0.messages(destination)
-    }
-}
-
-#[async_trait]
-impl BrokerFactory for Memory {
-    fn name(&self) -> &'static str {
-        "memory"
-    }
-    fn injects_faults(&self) -> bool {
-        true
-    }
-    async fn start(&self, faults: Faults) -> Box<dyn TestBroker> {
-        Box::new(MemoryTestBroker(MemoryBroker::with_faults(faults)))
-    }
-}
+use conformance::memory::Memory;
 
 conformance_suite!(memory_sqlite, Memory, async { conformance::stores::Sqlite });
-conformance_suite!(memory_postgres, Memory, async { conformance::stores::Postgres });
+conformance_suite!(memory_postgres, Memory, async {
+    conformance::stores::Postgres
+});
+
+/// PostgreSQL's row lock in action: a concurrent claim of the same message waits for the first
+/// transaction instead of failing, then sees its outcome.
+mod postgres_claims {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use inbox::memory::Faults;
+    use inbox::{Claim, ConsumerName, InboxStore, MessageId, PostgresStore};
+
+    use crate::conformance::memory::Memory;
+    use crate::conformance::stores::Postgres;
+    use crate::conformance::{Running, Scenario, Script, TestDb, eventually};
+
+    /// Backends of this store's database waiting on a lock.
+    async fn lock_waiters(store: &PostgresStore) -> i64 {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(store.pool())
+        .await
+        .unwrap()
+    }
+
+    async fn second_claim_waits_then_sees(commit_first: bool) -> Claim {
+        let store = Postgres.store().await;
+        let consumer = ConsumerName::new("claims").unwrap();
+        let id = MessageId::new("m-1").unwrap();
+        let mut first = store.begin().await.unwrap();
+        assert!(matches!(
+            store.claim(&mut first, &consumer, &id).await.unwrap(),
+            Claim::Claimed { .. }
+        ));
+
+        let second = tokio::spawn({
+            let (store, consumer, id) = (store.clone(), consumer.clone(), id.clone());
+            async move {
+                let mut tx = store.begin().await.unwrap();
+                let claim = store.claim(&mut tx, &consumer, &id).await.unwrap();
+                store.rollback(tx).await.unwrap();
+                claim
+            }
+        });
+        eventually("the second claim blocks on the row lock", || async {
+            match lock_waiters(&store).await {
+                0 => Err("no backend waits on a lock yet".to_owned()),
+                _ => Ok(()),
+            }
+        })
+        .await;
+        assert!(
+            !second.is_finished(),
+            "the second claim must wait, not fail or pass"
+        );
+        if commit_first {
+            store.commit(first).await.unwrap();
+        } else {
+            store.rollback(first).await.unwrap();
+        }
+        second.await.unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_concurrent_claim_waits_and_then_sees_the_commit() {
+        assert_eq!(second_claim_waits_then_sees(true).await, Claim::Done);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_concurrent_claim_waits_and_then_takes_over_after_a_rollback() {
+        assert_eq!(
+            second_claim_waits_then_sees(false).await,
+            Claim::Claimed {
+                attempts: 0,
+                last_error: None
+            }
+        );
+    }
+
+    /// Two instances get the same message at the same moment; the one that claims first holds
+    /// its handler until the other is seen waiting on the row lock. One effect, one duplicate
+    /// discarded, no failure.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn two_instances_one_message_one_effect_and_the_second_waits() {
+        let db = Arc::new(Postgres);
+        let faults = Faults::seeded(1).concurrent_copy(1.0);
+        let s = Scenario::new(&Memory, &db, faults).await;
+        let name = s.name("twins");
+        s.broker.prepare(&s.source, &[&name]).await;
+        let saw_waiter = Arc::new(AtomicBool::new(false));
+        let script = Arc::new(Script {
+            hook: Some({
+                let (store, saw_waiter) = (s.store.clone(), Arc::clone(&saw_waiter));
+                Arc::new(move |_, _| {
+                    let (store, saw_waiter) = (store.clone(), Arc::clone(&saw_waiter));
+                    Box::pin(async move {
+                        eventually("the other instance waits on the row lock", || async {
+                            if lock_waiters(&store).await > 0 {
+                                Ok(())
+                            } else {
+                                Err("no waiter".into())
+                            }
+                        })
+                        .await;
+                        saw_waiter.store(true, Ordering::SeqCst);
+                        Ok(())
+                    })
+                })
+            }),
+            ..Script::default()
+        });
+        let consumer = s.consumer(&name, &script).concurrency(1).prefetch(1);
+        let running = Running::start(&consumer, 2);
+        let id = s.id(0);
+        s.publish(&id, 0).await;
+        s.wait_for(&[&name], 1).await;
+        eventually("both copies settled", || async {
+            let r = consumer.report();
+            if r.processed + r.duplicates_discarded == 2 {
+                Ok(())
+            } else {
+                Err(format!("{r:?}"))
+            }
+        })
+        .await;
+        running.stop().await;
+        s.assert_exactly_once(&[&name], &[id]).await;
+        let report = consumer.report();
+        assert!(saw_waiter.load(Ordering::SeqCst));
+        assert_eq!(
+            (report.processed, report.duplicates_discarded, report.failed),
+            (1, 1, 0),
+            "{report:?}"
+        );
+    }
+}

@@ -1,1 +1,509 @@
-fn main() {}
+//! parcel-tracker: the inbox demo.
+//!
+//! A producer publishes `ParcelCreatedEvent`s; two consumers — `notification` and
+//! `carrier-assignment` — each write their effect rows in the inbox transaction. Run without
+//! arguments it needs no service: in-memory broker with injected faults, SQLite in a temporary
+//! file. Its subcommands drive real infrastructure (see `--help`).
+
+mod domain;
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use domain::{CarrierAssignment, Notification, Report};
+use inbox::memory::{Faults, MemoryBroker};
+use inbox::{
+    CancellationToken, Consumer, ConsumerName, Handler, InboxStore, OutgoingMessage, PostgresStore,
+    SqliteStore, Transport,
+};
+use indicatif::{ProgressBar, ProgressStyle};
+
+#[derive(Parser)]
+#[command(
+    name = "parcel_tracker",
+    about = "The inbox demo: exactly-once parcel notifications and carrier bookings"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    demo: DemoArgs,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Consume until SIGINT/SIGTERM, then drain and exit 0.
+    Consume(ConsumeArgs),
+    /// Publish ParcelCreatedEvents (some twice, as a retrying producer would).
+    Publish(PublishArgs),
+    /// Print what the consumers did, from the database.
+    Report(ReportArgs),
+}
+
+/// The demo without a subcommand: everything in process.
+#[derive(Args)]
+struct DemoArgs {
+    /// Parcels to publish.
+    #[arg(long, default_value_t = 500)]
+    parcels: usize,
+    /// Fault-injection seed (same seed, same faults).
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Database URL (default: a new SQLite file in the temporary directory).
+    #[arg(long)]
+    database: Option<String>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum TransportKind {
+    Memory,
+    Rabbitmq,
+    Kafka,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq)]
+enum Which {
+    Notification,
+    CarrierAssignment,
+    Both,
+}
+
+#[derive(Args)]
+struct ConsumeArgs {
+    #[arg(long, value_enum)]
+    transport: TransportKind,
+    /// Database URL: postgres://… or sqlite:…
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database: String,
+    /// The topic / exchange to consume.
+    #[arg(long, default_value = "parcels")]
+    source: String,
+    #[arg(long, value_enum, default_value = "both")]
+    consumer: Which,
+    /// Handlers in flight per consumer.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+}
+
+#[derive(Args)]
+struct PublishArgs {
+    #[arg(long, value_enum)]
+    transport: TransportKind,
+    /// The topic / exchange to publish to.
+    #[arg(long, default_value = "parcels")]
+    source: String,
+    /// Events to publish.
+    #[arg(long)]
+    count: usize,
+    /// Fraction of events published a second time with the same id.
+    #[arg(long, default_value_t = 0.0)]
+    duplicates: f64,
+}
+
+#[derive(Args)]
+struct ReportArgs {
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database: String,
+    /// Machine-readable output.
+    #[arg(long)]
+    json: bool,
+    /// Fail unless exactly this many parcels each have one notification and one booking.
+    #[arg(long)]
+    expect: Option<u64>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let default_log = if matches!(cli.command, Some(Command::Consume(_))) {
+        "info"
+    } else {
+        "error"
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| default_log.into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    match runtime.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("parcel_tracker: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+async fn run(cli: Cli) -> Result<ExitCode, Error> {
+    match cli.command {
+        None => demo(cli.demo).await,
+        Some(Command::Consume(args)) => consume(args).await,
+        Some(Command::Publish(args)) => publish(args).await,
+        Some(Command::Report(args)) => report(args).await,
+    }
+}
+
+fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
+    match kind {
+        TransportKind::Memory => Ok(Arc::new(MemoryBroker::new())),
+        TransportKind::Rabbitmq => {
+            Err("the RabbitMQ transport is not available yet (issue 3)".into())
+        }
+        TransportKind::Kafka => Err("the Kafka transport is not available yet (issue 4)".into()),
+    }
+}
+
+/// A store picked by the URL's scheme.
+enum Db {
+    Postgres(PostgresStore),
+    Sqlite(SqliteStore),
+}
+
+impl Db {
+    async fn open(url: &str) -> Result<Self, Error> {
+        let db = if url.starts_with("postgres:") || url.starts_with("postgresql:") {
+            Db::Postgres(PostgresStore::connect(url, 16).await?)
+        } else if url.starts_with("sqlite:") {
+            Db::Sqlite(SqliteStore::connect(url).await?)
+        } else {
+            return Err("--database must be a postgres:// or sqlite: URL".into());
+        };
+        match &db {
+            Db::Postgres(s) => {
+                s.migrate().await?;
+                domain::create_tables(s.pool()).await?;
+            }
+            Db::Sqlite(s) => {
+                s.migrate().await?;
+                domain::create_tables(s.pool()).await?;
+            }
+        }
+        Ok(db)
+    }
+
+    async fn report(&self) -> Result<Report, Error> {
+        Ok(match self {
+            Db::Postgres(s) => Report::read(s, s.pool()).await?,
+            Db::Sqlite(s) => Report::read(s, s.pool()).await?,
+        })
+    }
+}
+
+fn consumer_names(which: Which) -> Vec<&'static str> {
+    match which {
+        Which::Notification => vec![domain::NOTIFICATION],
+        Which::CarrierAssignment => vec![domain::CARRIER_ASSIGNMENT],
+        Which::Both => vec![domain::NOTIFICATION, domain::CARRIER_ASSIGNMENT],
+    }
+}
+
+/// Runs the chosen consumers until `token` is cancelled.
+async fn run_consumers<S>(
+    store: S,
+    transport: Arc<dyn Transport>,
+    source: &str,
+    which: Which,
+    concurrency: usize,
+    instances: usize,
+    token: CancellationToken,
+) -> Result<Vec<(String, inbox::ConsumerReport)>, Error>
+where
+    S: InboxStore + Clone,
+    Notification: Handler<S::Tx>,
+    CarrierAssignment: Handler<S::Tx>,
+{
+    let mut tasks = tokio::task::JoinSet::new();
+    for name in consumer_names(which) {
+        let consumer_name = ConsumerName::new(name)?;
+        macro_rules! spawn {
+            ($handler:expr) => {{
+                let consumer = Consumer::new(
+                    consumer_name,
+                    source,
+                    Arc::clone(&transport),
+                    store.clone(),
+                    $handler,
+                )
+                .concurrency(concurrency);
+                for _ in 0..instances {
+                    let (consumer, token) = (consumer.clone(), token.clone());
+                    tasks.spawn(
+                        async move { consumer.run(token).await.map(|r| (name.to_owned(), r)) },
+                    );
+                }
+            }};
+        }
+        if name == domain::NOTIFICATION {
+            spawn!(Notification);
+        } else {
+            spawn!(CarrierAssignment);
+        }
+    }
+    let mut reports: Vec<(String, inbox::ConsumerReport)> = Vec::new();
+    while let Some(done) = tasks.join_next().await {
+        let (name, report) = done??;
+        // Instances of one consumer share their counters: keep one report per consumer.
+        if !reports.iter().any(|(n, _)| *n == name) {
+            reports.push((name, report));
+        }
+    }
+    reports.sort_by(|a, b| b.0.cmp(&a.0));
+    Ok(reports)
+}
+
+async fn shutdown_signal(token: CancellationToken) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("install the SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("shutdown requested: draining");
+    token.cancel();
+}
+
+async fn consume(args: ConsumeArgs) -> Result<ExitCode, Error> {
+    let transport = transport(args.transport)?;
+    let db = Db::open(&args.database).await?;
+    let token = CancellationToken::new();
+    tokio::spawn(shutdown_signal(token.clone()));
+    let reports = match db {
+        Db::Postgres(s) => {
+            run_consumers(
+                s,
+                transport,
+                &args.source,
+                args.consumer,
+                args.concurrency,
+                1,
+                token,
+            )
+            .await?
+        }
+        Db::Sqlite(s) => {
+            run_consumers(
+                s,
+                transport,
+                &args.source,
+                args.consumer,
+                args.concurrency,
+                1,
+                token,
+            )
+            .await?
+        }
+    };
+    for (name, r) in reports {
+        eprintln!(
+            "{name}: deliveries {} processed {} duplicates {} failed {} dead-lettered {}",
+            r.deliveries, r.processed, r.duplicates_discarded, r.failed, r.dead_lettered
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn publish(args: PublishArgs) -> Result<ExitCode, Error> {
+    let transport = transport(args.transport)?;
+    let published =
+        domain::publish_events(&*transport, &args.source, args.count, args.duplicates, 7).await?;
+    println!("published {} messages ({} events)", published, args.count);
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn report(args: ReportArgs) -> Result<ExitCode, Error> {
+    let db = Db::open(&args.database).await?;
+    let report = db.report().await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.table());
+    }
+    let ok = report.consistent() && args.expect.is_none_or(|n| report.parcels_complete == n);
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// Everything in process: publish with faults, consume with two consumers, print the table.
+async fn demo(args: DemoArgs) -> Result<ExitCode, Error> {
+    let url = args.database.clone().unwrap_or_else(|| {
+        let file = std::env::temp_dir().join(format!(
+            "parcel-tracker-{}.db",
+            uuid::Uuid::new_v4().simple()
+        ));
+        format!("sqlite:{}", file.display())
+    });
+    let faults = Faults::seeded(args.seed)
+        .duplicate_publish(0.05)
+        .lose_ack(0.05)
+        .concurrent_copy(0.05)
+        .reorder(0.2);
+    let broker = MemoryBroker::with_faults(faults);
+    let source = "parcels";
+    for name in [domain::NOTIFICATION, domain::CARRIER_ASSIGNMENT] {
+        broker.declare_group(source, name);
+    }
+    println!(
+        "parcel-tracker demo: in-memory broker (seed {}: 5% duplicate publishes, 5% lost acks, \
+         5% concurrent copies, 20% reordered), database {}",
+        args.seed,
+        redact(&url)
+    );
+    let producer_duplicates = 0.1;
+    let published = domain::publish_events(
+        &broker,
+        source,
+        args.parcels,
+        producer_duplicates,
+        args.seed,
+    )
+    .await?;
+    // Two poison messages: one without an id, one whose payload is not an event.
+    broker
+        .publish(
+            source,
+            OutgoingMessage {
+                payload: domain::sample_event(0).to_json().into(),
+                ..Default::default()
+            },
+        )
+        .await?;
+    broker
+        .publish(
+            source,
+            OutgoingMessage::new("not-an-event", "{\"parcel\": 1"),
+        )
+        .await?;
+
+    let db = Db::open(&url).await?;
+    let token = CancellationToken::new();
+    let progress = ProgressBar::new(2 * args.parcels as u64).with_style(
+        ProgressStyle::with_template("{spinner} handled {pos}/{len} effects {wide_bar} {elapsed}")
+            .expect("a valid template"),
+    );
+    let running = {
+        let (broker, token) = (broker.clone(), token.clone());
+        let transport: Arc<dyn Transport> = Arc::new(broker);
+        tokio::spawn(async move {
+            match db {
+                Db::Postgres(s) => {
+                    run_consumers(s, transport, source, Which::Both, 4, 2, token).await
+                }
+                Db::Sqlite(s) => {
+                    run_consumers(s, transport, source, Which::Both, 4, 2, token).await
+                }
+            }
+        })
+    };
+    let reporter = Db::open(&url).await?;
+    loop {
+        let settled = broker
+            .wait_settled(
+                source,
+                &[domain::NOTIFICATION, domain::CARRIER_ASSIGNMENT],
+                Duration::from_millis(200),
+            )
+            .await;
+        let report = reporter.report().await?;
+        progress.set_position(report.notifications + report.bookings);
+        if settled.is_ok() {
+            break;
+        }
+        if running.is_finished() {
+            break;
+        }
+    }
+    progress.finish_and_clear();
+    token.cancel();
+    let consumers = running.await??;
+    let report = reporter.report().await?;
+    let stats = broker.stats();
+
+    println!();
+    println!(
+        "published             {:>6} messages: {} parcels, {} sent twice by the producer, {} duplicated by the broker, 2 poison",
+        stats.published,
+        args.parcels,
+        published - args.parcels as u64,
+        stats.injected_duplicates
+    );
+    println!(
+        "broker                {:>6} deliveries, {} lost acks, {} concurrent copies",
+        stats.deliveries, stats.injected_lost_acks, stats.injected_concurrent_copies
+    );
+    println!();
+    print!("{:<22}", "");
+    for (name, _) in &consumers {
+        print!("{name:>20}");
+    }
+    println!();
+    let row = |label: &str, get: &dyn Fn(&inbox::ConsumerReport) -> u64| {
+        print!("{label:<22}");
+        for (_, r) in &consumers {
+            print!("{:>20}", get(r));
+        }
+        println!();
+    };
+    row("deliveries", &|r| r.deliveries);
+    row("handled (committed)", &|r| r.processed);
+    row("duplicates discarded", &|r| r.duplicates_discarded);
+    row("failed attempts", &|r| r.failed);
+    row("dead-lettered", &|r| r.dead_lettered);
+    print!("{:<22}", "effect rows");
+    for (name, _) in &consumers {
+        let n = if name == domain::NOTIFICATION {
+            report.notifications
+        } else {
+            report.bookings
+        };
+        print!("{n:>20}");
+    }
+    println!();
+    println!();
+    let ok = report.consistent() && report.parcels_complete == args.parcels as u64;
+    println!(
+        "parcels with exactly one notification and one booking: {} of {} — {}",
+        report.parcels_complete,
+        args.parcels,
+        if ok { "OK" } else { "FAILED" }
+    );
+    if !ok {
+        print!("{}", report.table());
+    }
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// A database URL without its password, for printing.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let credentials = &url[scheme + 3..at];
+            match credentials.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}

@@ -94,7 +94,8 @@ impl Default for Settings {
             dead_letter_destination: None,
             max_payload_bytes: 1024 * 1024,
             handler_timeout: None,
-            reconnect: RetryPolicy::default().with_delays(Duration::from_millis(100), Duration::from_secs(5)),
+            reconnect: RetryPolicy::default()
+                .with_delays(Duration::from_millis(100), Duration::from_secs(5)),
         }
     }
 }
@@ -331,7 +332,9 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
     }
 }
 
-fn task_failure(done: Result<Result<(), ConsumerError>, tokio::task::JoinError>) -> Option<ConsumerError> {
+fn task_failure(
+    done: Result<Result<(), ConsumerError>, tokio::task::JoinError>,
+) -> Option<ConsumerError> {
     match done {
         Ok(Ok(())) => None,
         Ok(Err(e)) => Some(e),
@@ -465,7 +468,9 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
             Err(invalid) => {
                 span.record("message_id", "<invalid>");
                 let reason = format!("invalid message id: {invalid}");
-                return Ok(self.dead_letter_unrecorded(delivery, None, 0, reason, metrics, stop).await);
+                return Ok(self
+                    .dead_letter_unrecorded(delivery, None, 0, reason, metrics, stop)
+                    .await);
             }
         };
         span.record("message_id", id.as_str());
@@ -475,7 +480,9 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
                 delivery.payload().len(),
                 self.settings.max_payload_bytes
             );
-            return self.dead_letter_after_failure(delivery, &id, 1, reason, metrics, stop).await;
+            return self
+                .dead_letter_after_failure(delivery, &id, 1, reason, metrics, stop)
+                .await;
         }
 
         let mut retry_delays = self.settings.retry.delays();
@@ -485,18 +492,26 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
             let mut tx = match self.store.begin().await {
                 Ok(tx) => tx,
                 Err(e) => {
-                    if self.wait_out_store_error(e, &mut outage_delays, stop).await? {
+                    if self
+                        .wait_out_store_error(e, &mut outage_delays, stop)
+                        .await?
+                    {
                         continue;
                     }
                     return Ok(self.hand_back(delivery).await);
                 }
             };
-            let claimed = metrics.time_claim(self.store.claim(&mut tx, &self.name, &id)).await;
+            let claimed = metrics
+                .time_claim(self.store.claim(&mut tx, &self.name, &id))
+                .await;
             let claim = match claimed {
                 Ok(claim) => claim,
                 Err(e) => {
                     drop(tx);
-                    if self.wait_out_store_error(e, &mut outage_delays, stop).await? {
+                    if self
+                        .wait_out_store_error(e, &mut outage_delays, stop)
+                        .await?
+                    {
                         continue;
                     }
                     return Ok(self.hand_back(delivery).await);
@@ -511,7 +526,10 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
                     metrics.duplicate();
                     return Ok(Outcome::Duplicate);
                 }
-                Claim::Claimed { attempts, last_error } => (attempts, last_error),
+                Claim::Claimed {
+                    attempts,
+                    last_error,
+                } => (attempts, last_error),
             };
             let attempt = attempts
                 .saturating_add(1)
@@ -521,12 +539,19 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
                 let reason = format!(
                     "gave up after {} attempts; last error: {}",
                     attempt - 1,
-                    last_error.as_deref().unwrap_or("none recorded (the broker redelivered it that often)")
+                    last_error
+                        .as_deref()
+                        .unwrap_or("none recorded (the broker redelivered it that often)")
                 );
-                return self.dead_letter_claimed(tx, delivery, &id, attempt - 1, reason, metrics, stop).await;
+                return self
+                    .dead_letter_claimed(tx, delivery, &id, attempt - 1, reason, metrics, stop)
+                    .await;
             }
 
-            let failure = match self.run_handler(&id, &*delivery, attempt, &mut tx, metrics).await {
+            let failure = match self
+                .run_handler(&id, &*delivery, attempt, &mut tx, metrics)
+                .await
+            {
                 Ok(()) => match self.store.commit(tx).await {
                     Ok(()) => {
                         self.ack(delivery).await;
@@ -550,10 +575,23 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
             metrics.failed();
             if failure.kind == ErrorKind::Permanent {
                 tracing::warn!(error = %failure.reason, "permanent failure; dead-lettering");
-                return self.dead_letter_after_failure(delivery, &id, attempt, failure.reason, metrics, stop).await;
+                return self
+                    .dead_letter_after_failure(
+                        delivery,
+                        &id,
+                        attempt,
+                        failure.reason,
+                        metrics,
+                        stop,
+                    )
+                    .await;
             }
             tracing::warn!(attempt, error = %failure.reason, "attempt failed");
-            if let Err(e) = self.store.record_failure(&self.name, &id, attempt, &failure.reason).await {
+            if let Err(e) = self
+                .store
+                .record_failure(&self.name, &id, attempt, &failure.reason)
+                .await
+            {
                 if !e.is_transient() {
                     self.hand_back(delivery).await;
                     return Err(ConsumerError::Store(e));
@@ -601,16 +639,19 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
         let handled = AssertUnwindSafe(self.handler.handle(&message, tx)).catch_unwind();
         let handled = metrics.time_handle(async {
             match self.settings.handler_timeout {
-                Some(limit) => tokio::time::timeout(limit, handled).await.map_err(|_| {
-                    Failure::transient(format!("handler timed out after {limit:?}"))
-                }),
+                Some(limit) => tokio::time::timeout(limit, handled)
+                    .await
+                    .map_err(|_| Failure::transient(format!("handler timed out after {limit:?}"))),
                 None => Ok(handled.await),
             }
         });
         match handled.await? {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(e.into()),
-            Err(panic) => Err(Failure::transient(format!("handler panicked: {}", panic_text(&*panic)))),
+            Err(panic) => Err(Failure::transient(format!(
+                "handler panicked: {}",
+                panic_text(&*panic)
+            ))),
         }
     }
 
@@ -644,12 +685,17 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
         metrics: &Metrics,
         stop: &CancellationToken,
     ) -> Result<Outcome, ConsumerError> {
-        if let Err(e) = self.publish_dead_letter(&*delivery, Some(id), attempts, &reason).await {
+        if let Err(e) = self
+            .publish_dead_letter(&*delivery, Some(id), attempts, &reason)
+            .await
+        {
             let _ = self.store.rollback(tx).await;
             return Ok(self.dead_letter_publish_failed(delivery, e, stop).await);
         }
         let marked = async {
-            self.store.mark_dead_claimed(&mut tx, &self.name, id, attempts, &reason).await?;
+            self.store
+                .mark_dead_claimed(&mut tx, &self.name, id, attempts, &reason)
+                .await?;
             self.store.commit(tx).await
         };
         if let Err(e) = marked.await {
@@ -672,10 +718,17 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
         metrics: &Metrics,
         stop: &CancellationToken,
     ) -> Result<Outcome, ConsumerError> {
-        if let Err(e) = self.publish_dead_letter(&*delivery, Some(id), attempts, &reason).await {
+        if let Err(e) = self
+            .publish_dead_letter(&*delivery, Some(id), attempts, &reason)
+            .await
+        {
             return Ok(self.dead_letter_publish_failed(delivery, e, stop).await);
         }
-        if let Err(e) = self.store.record_dead(&self.name, id, attempts, &reason).await {
+        if let Err(e) = self
+            .store
+            .record_dead(&self.name, id, attempts, &reason)
+            .await
+        {
             // The message is safe in the dead-letter destination; only the table misses the mark.
             tracing::warn!(error = %e, "dead letter published but not recorded in the inbox table");
             if !e.is_transient() {
@@ -698,7 +751,10 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
         metrics: &Metrics,
         stop: &CancellationToken,
     ) -> Outcome {
-        if let Err(e) = self.publish_dead_letter(&*delivery, id, attempts, &reason).await {
+        if let Err(e) = self
+            .publish_dead_letter(&*delivery, id, attempts, &reason)
+            .await
+        {
             return self.dead_letter_publish_failed(delivery, e, stop).await;
         }
         self.ack(delivery).await;

@@ -156,12 +156,7 @@ pub const DEFAULT_ID_HEADER: &str = "message-id";
 impl IdStrategy {
     /// Finds and validates the id of a delivery, or says why there is none.
     pub fn extract(&self, delivery: &dyn Delivery) -> Result<MessageId, InvalidName> {
-        let from_header = |name: &str| {
-            delivery
-                .headers()
-                .get(name)
-                .map(|value| MessageId::from_bytes(value))
-        };
+        let from_header = |name: &str| delivery.headers().get(name).map(MessageId::from_bytes);
         let found = match self {
             IdStrategy::BrokerId => delivery.broker_message_id().map(MessageId::from_bytes),
             IdStrategy::Header(name) => from_header(name),
@@ -202,7 +197,12 @@ mod tests {
         let err = MessageId::new("a".repeat(256)).unwrap_err();
         assert!(err.to_string().contains("256 bytes"), "{err}");
         assert!(MessageId::new("nul\0inside").is_err());
-        assert!(MessageId::from_bytes(&[0xff, 0xfe]).unwrap_err().to_string().contains("UTF-8"));
+        assert!(
+            MessageId::from_bytes(&[0xff, 0xfe])
+                .unwrap_err()
+                .to_string()
+                .contains("UTF-8")
+        );
         // SQL is just text to us.
         assert!(MessageId::new("'; DROP TABLE inbox_messages; --").is_ok());
     }

@@ -22,16 +22,21 @@ pub mod store;
 mod transport;
 
 pub use consumer::{Consumer, ConsumerReport, dead_letter_headers};
-pub use error::{BoxError, ConsumerError, ErrorKind, HandlerError, InvalidName, StoreError, TransportError};
+pub use error::{
+    BoxError, ConsumerError, ErrorKind, HandlerError, InvalidName, StoreError, TransportError,
+};
 pub use handler::Handler;
-pub use id::{ConsumerName, DEFAULT_ID_HEADER, IdStrategy, MAX_CONSUMER_NAME_BYTES, MAX_MESSAGE_ID_BYTES, MessageId};
+pub use id::{
+    ConsumerName, DEFAULT_ID_HEADER, IdStrategy, MAX_CONSUMER_NAME_BYTES, MAX_MESSAGE_ID_BYTES,
+    MessageId,
+};
 pub use message::{Headers, Message, OutgoingMessage};
 pub use retry::RetryPolicy;
-pub use store::{CleanupReport, Claim, ConsumerStats, DeadLetter, InboxStore};
 #[cfg(feature = "postgres")]
 pub use store::postgres::{PgTx, PostgresStore};
 #[cfg(feature = "sqlite")]
 pub use store::sqlite::{SqliteStore, SqliteTx};
+pub use store::{Claim, CleanupReport, ConsumerStats, DeadLetter, InboxStore};
 pub use transport::{AckToken, Capabilities, Delivery, DeliveryStream, Subscription, Transport};
 
 /// Re-exported so handlers and transports name the same versions.

@@ -92,7 +92,9 @@ impl Message<'_> {
     /// is dead-lettered with the decoder's reason.
     pub fn json<T: DeserializeOwned>(&self) -> Result<T, HandlerError> {
         if self.payload.is_empty() {
-            return Err(HandlerError::permanent("empty payload: expected a JSON document"));
+            return Err(HandlerError::permanent(
+                "empty payload: expected a JSON document",
+            ));
         }
         serde_json::from_slice(self.payload)
             .map_err(|e| HandlerError::permanent(format!("payload is not the expected JSON: {e}")))

@@ -72,7 +72,11 @@ impl RetryPolicy {
             .with_max_delay(self.max_delay)
             .with_factor(2.0)
             .without_max_times();
-        let builder = if self.jitter { builder.with_jitter() } else { builder };
+        let builder = if self.jitter {
+            builder.with_jitter()
+        } else {
+            builder
+        };
         builder.build()
     }
 }
@@ -86,7 +90,11 @@ mod tests {
         let policy = RetryPolicy::default()
             .with_delays(Duration::from_millis(10), Duration::from_millis(80))
             .with_jitter(false);
-        let delays: Vec<_> = policy.delays().take(6).map(|d| d.as_secs_f64() * 1000.0).collect();
+        let delays: Vec<_> = policy
+            .delays()
+            .take(6)
+            .map(|d| d.as_secs_f64() * 1000.0)
+            .collect();
         // backon computes in floating point: allow a millisecond of rounding.
         for (got, want) in delays.iter().zip([10.0, 20.0, 40.0, 80.0, 80.0, 80.0]) {
             assert!((got - want).abs() <= 1.0, "{delays:?}");

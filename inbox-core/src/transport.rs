@@ -143,8 +143,15 @@ pub trait Transport: Send + Sync + fmt::Debug {
     /// What this broker can do.
     fn capabilities(&self) -> Capabilities;
     /// Starts consuming.
-    async fn subscribe(&self, subscription: &Subscription) -> Result<DeliveryStream, TransportError>;
+    async fn subscribe(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<DeliveryStream, TransportError>;
     /// Publishes one message and returns once the broker has it (publisher confirms where the
     /// broker has them).
-    async fn publish(&self, destination: &str, message: OutgoingMessage) -> Result<(), TransportError>;
+    async fn publish(
+        &self,
+        destination: &str,
+        message: OutgoingMessage,
+    ) -> Result<(), TransportError>;
 }

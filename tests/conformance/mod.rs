@@ -3,6 +3,7 @@
 //! [`conformance_suite!`](crate::conformance_suite).
 #![allow(dead_code)]
 
+pub mod memory;
 pub mod services;
 pub mod stores;
 
@@ -16,9 +17,9 @@ use futures::StreamExt;
 use futures::future::BoxFuture;
 use inbox::memory::Faults;
 use inbox::{
-    AckToken, Capabilities, CancellationToken, Consumer, ConsumerError, ConsumerName, ConsumerReport, Delivery,
-    DeliveryStream, Handler, HandlerError, Headers, InboxStore, Message, OutgoingMessage, RetryPolicy,
-    Subscription, Transport, TransportError, dead_letter_headers,
+    AckToken, CancellationToken, Capabilities, Consumer, ConsumerError, ConsumerName,
+    ConsumerReport, Delivery, DeliveryStream, Handler, HandlerError, Headers, InboxStore, Message,
+    OutgoingMessage, RetryPolicy, Subscription, Transport, TransportError, dead_letter_headers,
 };
 use tokio::task::JoinHandle;
 
@@ -71,7 +72,8 @@ where
 }
 
 /// An async hook run by the test handler before it writes the effect: (message id, call number).
-pub type Hook = Arc<dyn Fn(String, u32) -> BoxFuture<'static, Result<(), HandlerError>> + Send + Sync>;
+pub type Hook =
+    Arc<dyn Fn(String, u32) -> BoxFuture<'static, Result<(), HandlerError>> + Send + Sync>;
 
 /// What the test handler does, per message id.
 #[derive(Default)]
@@ -88,7 +90,7 @@ pub struct Script {
     pub decode_json: bool,
     /// Runs before the effect is written.
     pub hook: Option<Hook>,
-    calls: Mutex<HashMap<String, u32>>,
+    pub calls: Mutex<HashMap<String, u32>>,
 }
 
 impl Script {
@@ -133,10 +135,14 @@ impl<D: TestDb> Handler<<D::Store as InboxStore>::Tx> for TestHandler<D> {
             return Err(HandlerError::permanent(format!("{id} can never succeed")));
         }
         if self.script.always_fail.contains(&id) {
-            return Err(HandlerError::transient(format!("{id} fails every time (call {call})")));
+            return Err(HandlerError::transient(format!(
+                "{id} fails every time (call {call})"
+            )));
         }
         if call <= self.script.fail_first {
-            return Err(HandlerError::transient(format!("scripted failure {call} of {id}")));
+            return Err(HandlerError::transient(format!(
+                "scripted failure {call} of {id}"
+            )));
         }
         if call == 1 && self.script.panic_once.contains(&id) {
             panic!("scripted panic in {id}");
@@ -190,7 +196,11 @@ impl<D: TestDb> Scenario<D> {
     }
 
     /// A consumer with fast retries, ready to run.
-    pub fn consumer(&self, name: &ConsumerName, script: &Arc<Script>) -> Consumer<D::Store, TestHandler<D>> {
+    pub fn consumer(
+        &self,
+        name: &ConsumerName,
+        script: &Arc<Script>,
+    ) -> Consumer<D::Store, TestHandler<D>> {
         self.consumer_on(self.broker.transport(), name, script)
     }
 
@@ -206,20 +216,30 @@ impl<D: TestDb> Scenario<D> {
             script: Arc::clone(script),
             db: Arc::clone(&self.db),
         };
-        Consumer::new(name.clone(), self.source.clone(), transport, self.store.clone(), handler)
-            .concurrency(4)
-            .retry(
-                RetryPolicy::default()
-                    .with_max_attempts(4)
-                    .with_in_process_retries(1)
-                    .with_delays(Duration::from_millis(5), Duration::from_millis(40)),
-            )
-            .reconnect_backoff(RetryPolicy::default().with_delays(Duration::from_millis(10), Duration::from_millis(200)))
+        Consumer::new(
+            name.clone(),
+            self.source.clone(),
+            transport,
+            self.store.clone(),
+            handler,
+        )
+        .concurrency(4)
+        .retry(
+            RetryPolicy::default()
+                .with_max_attempts(4)
+                .with_in_process_retries(1)
+                .with_delays(Duration::from_millis(5), Duration::from_millis(40)),
+        )
+        .reconnect_backoff(
+            RetryPolicy::default()
+                .with_delays(Duration::from_millis(10), Duration::from_millis(200)),
+        )
     }
 
     /// Publishes a JSON payload `{"n": i}` under `id` to the source.
     pub async fn publish(&self, id: &str, n: usize) {
-        self.publish_raw(OutgoingMessage::new(id, format!(r#"{{"n":{n}}}"#))).await;
+        self.publish_raw(OutgoingMessage::new(id, format!(r#"{{"n":{n}}}"#)))
+            .await;
     }
 
     pub async fn publish_raw(&self, message: OutgoingMessage) {
@@ -253,7 +273,10 @@ impl<D: TestDb> Scenario<D> {
         let mut problems = Vec::new();
         for consumer in consumers {
             for id in ids {
-                let n = effects.get(&(consumer.to_string(), id.clone())).copied().unwrap_or(0);
+                let n = effects
+                    .get(&(consumer.to_string(), id.clone()))
+                    .copied()
+                    .unwrap_or(0);
                 if n != 1 {
                     problems.push(format!("{consumer}/{id}: {n} effects"));
                 }
@@ -261,7 +284,10 @@ impl<D: TestDb> Scenario<D> {
         }
         let expected = consumers.len() * ids.len();
         if effects.len() != expected {
-            problems.push(format!("{} distinct effects, expected {expected}", effects.len()));
+            problems.push(format!(
+                "{} distinct effects, expected {expected}",
+                effects.len()
+            ));
         }
         assert!(problems.is_empty(), "exactly-once violated: {problems:?}");
     }
@@ -274,7 +300,10 @@ pub struct Running {
 }
 
 impl Running {
-    pub fn start<S: InboxStore, H: Handler<S::Tx>>(consumer: &Consumer<S, H>, instances: usize) -> Self {
+    pub fn start<S: InboxStore, H: Handler<S::Tx>>(
+        consumer: &Consumer<S, H>,
+        instances: usize,
+    ) -> Self {
         let token = CancellationToken::new();
         let handles = (0..instances)
             .map(|_| {
@@ -387,7 +416,10 @@ impl Transport for CrashBeforeFirstAck {
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()
     }
-    async fn subscribe(&self, subscription: &Subscription) -> Result<DeliveryStream, TransportError> {
+    async fn subscribe(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<DeliveryStream, TransportError> {
         let seen = Arc::clone(&self.seen);
         let crashes = Arc::clone(&self.crashes);
         let stream = self.inner.subscribe(subscription).await?;
@@ -401,7 +433,11 @@ impl Transport for CrashBeforeFirstAck {
             })
         })))
     }
-    async fn publish(&self, destination: &str, message: OutgoingMessage) -> Result<(), TransportError> {
+    async fn publish(
+        &self,
+        destination: &str,
+        message: OutgoingMessage,
+    ) -> Result<(), TransportError> {
         self.inner.publish(destination, message).await
     }
 }
@@ -410,7 +446,11 @@ impl Transport for CrashBeforeFirstAck {
 // The scenarios.
 
 fn faults_or_none(brokers: &dyn BrokerFactory, faults: Faults) -> Faults {
-    if brokers.injects_faults() { faults } else { Faults::none() }
+    if brokers.injects_faults() {
+        faults
+    } else {
+        Faults::none()
+    }
 }
 
 /// Duplicates from the producer (and, where the broker injects them, duplicate publishes, lost
@@ -441,13 +481,19 @@ pub async fn exactly_once_under_duplicates<D: TestDb>(brokers: &dyn BrokerFactor
     s.assert_exactly_once(&[&name], &ids).await;
     let report = consumer.report();
     assert_eq!(report.processed, ids.len() as u64, "{report:?}");
-    assert!(report.duplicates_discarded >= producer_duplicates, "{report:?}");
+    assert!(
+        report.duplicates_discarded >= producer_duplicates,
+        "{report:?}"
+    );
     assert_eq!(report.failed, 0, "{report:?}");
 }
 
 /// The consumer "crashes" between commit and ack for every message: each comes back and is
 /// discarded as a duplicate; one effect each.
-pub async fn crash_before_ack_leaves_one_effect<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+pub async fn crash_before_ack_leaves_one_effect<D: TestDb>(
+    brokers: &dyn BrokerFactory,
+    db: &Arc<D>,
+) {
     let s = Scenario::new(brokers, db, Faults::none()).await;
     let name = s.name("crash");
     s.broker.prepare(&s.source, &[&name]).await;
@@ -459,13 +505,16 @@ pub async fn crash_before_ack_leaves_one_effect<D: TestDb>(brokers: &dyn BrokerF
     let script = Arc::new(Script::default());
     let consumer = s.consumer_on(crashing.clone(), &name, &script);
     let running = Running::start(&consumer, 1);
-    eventually("every message redelivered after its commit and discarded", || async {
-        let report = consumer.report();
-        if report.duplicates_discarded < ids.len() as u64 {
-            return Err(format!("{report:?}"));
-        }
-        s.broker.settled(&s.source, &[&name]).await
-    })
+    eventually(
+        "every message redelivered after its commit and discarded",
+        || async {
+            let report = consumer.report();
+            if report.duplicates_discarded < ids.len() as u64 {
+                return Err(format!("{report:?}"));
+            }
+            s.broker.settled(&s.source, &[&name]).await
+        },
+    )
     .await;
     running.stop().await;
     s.assert_exactly_once(&[&name], &ids).await;
@@ -497,7 +546,11 @@ pub async fn killed_and_restarted<D: TestDb>(brokers: &dyn BrokerFactory, db: &A
         let target = (ids.len() * round / 6) as i64;
         eventually("some progress before the kill", || async {
             let total: i64 = s.effects().await.values().sum();
-            if total >= target { Ok(()) } else { Err(format!("{total} < {target}")) }
+            if total >= target {
+                Ok(())
+            } else {
+                Err(format!("{total} < {target}"))
+            }
         })
         .await;
         running.abort().await;
@@ -509,7 +562,10 @@ pub async fn killed_and_restarted<D: TestDb>(brokers: &dyn BrokerFactory, db: &A
 }
 
 /// Several instances get copies of the same messages at the same moment: no double commit.
-pub async fn concurrent_duplicates_never_commit_twice<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+pub async fn concurrent_duplicates_never_commit_twice<D: TestDb>(
+    brokers: &dyn BrokerFactory,
+    db: &Arc<D>,
+) {
     let faults = Faults::seeded(5).concurrent_copy(0.5).max_per_message(2);
     let s = Scenario::new(brokers, db, faults_or_none(brokers, faults)).await;
     let name = s.name("concurrent");
@@ -548,12 +604,18 @@ pub async fn concurrent_duplicates_never_commit_twice<D: TestDb>(brokers: &dyn B
     s.assert_exactly_once(&[&name], &ids).await;
     let report = consumer.report();
     assert_eq!(report.processed, ids.len() as u64, "{report:?}");
-    assert_eq!(report.failed, 0, "a concurrent copy waits instead of failing: {report:?}");
+    assert_eq!(
+        report.failed, 0,
+        "a concurrent copy waits instead of failing: {report:?}"
+    );
 }
 
 /// A handler that fails twice per message, then succeeds: retried in process and through the
 /// broker, one effect each, the attempts recorded.
-pub async fn failing_handler_is_retried_then_succeeds<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+pub async fn failing_handler_is_retried_then_succeeds<D: TestDb>(
+    brokers: &dyn BrokerFactory,
+    db: &Arc<D>,
+) {
     let s = Scenario::new(brokers, db, Faults::none()).await;
     let name = s.name("retry");
     s.broker.prepare(&s.source, &[&name]).await;
@@ -619,14 +681,27 @@ pub async fn invalid_ids_are_dead_lettered<D: TestDb>(brokers: &dyn BrokerFactor
     let before = s.id(0);
     s.publish(&before, 0).await;
     let bad = [
-        (OutgoingMessage { payload: "{}".into(), ..OutgoingMessage::default() }, "no message id"),
+        (
+            OutgoingMessage {
+                payload: "{}".into(),
+                ..OutgoingMessage::default()
+            },
+            "no message id",
+        ),
         (OutgoingMessage::new("", "{}"), "is empty"),
         (OutgoingMessage::new("x".repeat(256), "{}"), "256 bytes"),
         (
-            OutgoingMessage { payload: "{}".into(), ..OutgoingMessage::default() }.with_header("message-id", vec![0xff, 0xfe]),
+            OutgoingMessage {
+                payload: "{}".into(),
+                ..OutgoingMessage::default()
+            }
+            .with_header("message-id", vec![0xff, 0xfe]),
             "UTF-8",
         ),
-        (OutgoingMessage::new("nul\u{0}id", "{}"), "control character"),
+        (
+            OutgoingMessage::new("nul\u{0}id", "{}"),
+            "control character",
+        ),
     ];
     for (message, _) in &bad {
         s.publish_raw(message.clone()).await;
@@ -643,15 +718,24 @@ pub async fn invalid_ids_are_dead_lettered<D: TestDb>(brokers: &dyn BrokerFactor
         assert_eq!(header(letter, dead_letter_headers::SOURCE), s.source);
     }
     for (_, why) in &bad {
-        let reasons: Vec<&str> = dead.iter().map(|l| header(l, dead_letter_headers::REASON)).collect();
-        assert!(reasons.iter().any(|r| r.contains(why)), "no dead letter says {why:?}: {reasons:?}");
+        let reasons: Vec<&str> = dead
+            .iter()
+            .map(|l| header(l, dead_letter_headers::REASON))
+            .collect();
+        assert!(
+            reasons.iter().any(|r| r.contains(why)),
+            "no dead letter says {why:?}: {reasons:?}"
+        );
     }
     assert_eq!(consumer.report().dead_lettered, bad.len() as u64);
 }
 
 /// Poison messages: one failing for ever is dead-lettered after the attempt limit, one failing
 /// permanently at once, one with a payload that does not decode, one too large. The rest pass.
-pub async fn poison_messages_are_dead_lettered<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+pub async fn poison_messages_are_dead_lettered<D: TestDb>(
+    brokers: &dyn BrokerFactory,
+    db: &Arc<D>,
+) {
     let s = Scenario::new(brokers, db, Faults::none()).await;
     let name = s.name("poison");
     s.broker.prepare(&s.source, &[&name]).await;
@@ -662,9 +746,13 @@ pub async fn poison_messages_are_dead_lettered<D: TestDb>(brokers: &dyn BrokerFa
     }
     s.publish(&forever, 0).await;
     s.publish(&permanent, 0).await;
-    s.publish_raw(OutgoingMessage::new(garbage.clone(), "not json {")).await;
-    s.publish_raw(OutgoingMessage::new(huge.clone(), format!(r#"{{"n":1,"pad":"{}"}}"#, "x".repeat(4096))))
+    s.publish_raw(OutgoingMessage::new(garbage.clone(), "not json {"))
         .await;
+    s.publish_raw(OutgoingMessage::new(
+        huge.clone(),
+        format!(r#"{{"n":1,"pad":"{}"}}"#, "x".repeat(4096)),
+    ))
+    .await;
     let script = Arc::new(Script {
         always_fail: HashSet::from([forever.clone()]),
         permanent: HashSet::from([permanent.clone()]),
@@ -676,28 +764,72 @@ pub async fn poison_messages_are_dead_lettered<D: TestDb>(brokers: &dyn BrokerFa
     s.wait_for(&[&name], good.len()).await;
     eventually("four dead letters", || async {
         let n = s.broker.published(&s.dead_letter_destination()).await.len();
-        if n >= 4 { Ok(()) } else { Err(format!("{n} dead letters")) }
+        if n >= 4 {
+            Ok(())
+        } else {
+            Err(format!("{n} dead letters"))
+        }
     })
     .await;
-    eventually("settled", || async { s.broker.settled(&s.source, &[&name]).await }).await;
+    eventually("settled", || async {
+        s.broker.settled(&s.source, &[&name]).await
+    })
+    .await;
     running.stop().await;
     s.assert_exactly_once(&[&name], &good).await;
 
-    assert_eq!(script.calls(&forever), 4, "tried max_attempts times, then never again");
+    assert_eq!(
+        script.calls(&forever),
+        4,
+        "tried max_attempts times, then never again"
+    );
     assert_eq!(script.calls(&permanent), 1);
-    assert_eq!(script.calls(&huge), 0, "too large: never handed to the handler");
+    assert_eq!(
+        script.calls(&huge),
+        0,
+        "too large: never handed to the handler"
+    );
     let dead = s.broker.published(&s.dead_letter_destination()).await;
     assert_eq!(dead.len(), 4, "{dead:?}");
-    let by_id: HashMap<&str, &OutgoingMessage> =
-        dead.iter().map(|m| (header(m, dead_letter_headers::MESSAGE_ID), m)).collect();
+    let by_id: HashMap<&str, &OutgoingMessage> = dead
+        .iter()
+        .map(|m| (header(m, dead_letter_headers::MESSAGE_ID), m))
+        .collect();
     let reason = |id: &str| header(by_id[id], dead_letter_headers::REASON).to_owned();
-    assert!(reason(&forever).contains("gave up after 4 attempts"), "{}", reason(&forever));
-    assert!(reason(&forever).contains("fails every time"), "{}", reason(&forever));
-    assert_eq!(header(by_id[forever.as_str()], dead_letter_headers::ATTEMPTS), "4");
-    assert!(reason(&permanent).contains("can never succeed"), "{}", reason(&permanent));
-    assert!(reason(&garbage).contains("not the expected JSON"), "{}", reason(&garbage));
-    assert!(reason(&huge).contains("exceeds the limit of 1024 bytes"), "{}", reason(&huge));
-    assert_eq!(by_id[garbage.as_str()].payload.as_ref(), b"not json {", "the original payload travels");
+    assert!(
+        reason(&forever).contains("gave up after 4 attempts"),
+        "{}",
+        reason(&forever)
+    );
+    assert!(
+        reason(&forever).contains("fails every time"),
+        "{}",
+        reason(&forever)
+    );
+    assert_eq!(
+        header(by_id[forever.as_str()], dead_letter_headers::ATTEMPTS),
+        "4"
+    );
+    assert!(
+        reason(&permanent).contains("can never succeed"),
+        "{}",
+        reason(&permanent)
+    );
+    assert!(
+        reason(&garbage).contains("not the expected JSON"),
+        "{}",
+        reason(&garbage)
+    );
+    assert!(
+        reason(&huge).contains("exceeds the limit of 1024 bytes"),
+        "{}",
+        reason(&huge)
+    );
+    assert_eq!(
+        by_id[garbage.as_str()].payload.as_ref(),
+        b"not json {",
+        "the original payload travels"
+    );
     for id in [&forever, &permanent, &garbage, &huge] {
         let row = s.db.row(&s.store, &name, id).await.expect("a dead row");
         assert!(row.dead && !row.processed, "{id}: {row:?}");
@@ -705,21 +837,34 @@ pub async fn poison_messages_are_dead_lettered<D: TestDb>(brokers: &dyn BrokerFa
     }
     let stats = s.store.stats(Some(&name)).await.unwrap();
     assert_eq!(stats.len(), 1);
-    assert_eq!((stats[0].processed, stats[0].dead, stats[0].failing), (10, 4, 0), "{stats:?}");
+    assert_eq!(
+        (stats[0].processed, stats[0].dead, stats[0].failing),
+        (10, 4, 0),
+        "{stats:?}"
+    );
 
     // A later copy of a dead message is discarded, not handled again.
     let running = Running::start(&consumer, 1);
     s.publish(&permanent, 0).await;
     eventually("the copy is discarded", || async {
         s.broker.settled(&s.source, &[&name]).await?;
-        if consumer.report().duplicates_discarded >= 1 { Ok(()) } else { Err("not yet".into()) }
+        if consumer.report().duplicates_discarded >= 1 {
+            Ok(())
+        } else {
+            Err("not yet".into())
+        }
     })
     .await;
     running.stop().await;
     assert_eq!(script.calls(&permanent), 1);
 
     // The operator's replay: clear the mark; the next delivery is handled (and fails again).
-    assert!(s.store.clear_dead(&name, &inbox::MessageId::new(permanent.clone()).unwrap()).await.unwrap());
+    assert!(
+        s.store
+            .clear_dead(&name, &inbox::MessageId::new(permanent.clone()).unwrap())
+            .await
+            .unwrap()
+    );
     let row = s.db.row(&s.store, &name, &permanent).await.unwrap();
     assert!(!row.dead && !row.processed, "{row:?}");
 }
@@ -759,7 +904,9 @@ pub async fn shutdown_drains_in_flight<D: TestDb>(brokers: &dyn BrokerFactory, d
         if entered == in_handler && taken == 3 {
             Ok(())
         } else {
-            Err(format!("{entered} in the handler, {taken} deliveries taken"))
+            Err(format!(
+                "{entered} in the handler, {taken} deliveries taken"
+            ))
         }
     })
     .await;
@@ -769,7 +916,11 @@ pub async fn shutdown_drains_in_flight<D: TestDb>(brokers: &dyn BrokerFactory, d
     let handled: i64 = s.effects().await.values().sum();
     assert_eq!(handled, 3, "exactly the in-flight messages were finished");
     assert_eq!(consumer.report().processed, 3);
-    assert_eq!(consumer.report().deliveries, 3, "nothing new was taken after the stop");
+    assert_eq!(
+        consumer.report().deliveries,
+        3,
+        "nothing new was taken after the stop"
+    );
 
     let running = Running::start(&consumer, 1);
     s.wait_for(&[&name], ids.len()).await;
@@ -778,9 +929,16 @@ pub async fn shutdown_drains_in_flight<D: TestDb>(brokers: &dyn BrokerFactory, d
 }
 
 /// Quotes, semicolons and SQL keywords in consumer names and ids are just text.
-pub async fn hostile_values_are_bound_parameters<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+pub async fn hostile_values_are_bound_parameters<D: TestDb>(
+    brokers: &dyn BrokerFactory,
+    db: &Arc<D>,
+) {
     let s = Scenario::new(brokers, db, Faults::none()).await;
-    let name = ConsumerName::new(format!("o'brien\"; DROP TABLE inbox_messages; -- {}", s.run)).unwrap();
+    let name = ConsumerName::new(format!(
+        "o'brien\"; DROP TABLE inbox_messages; -- {}",
+        s.run
+    ))
+    .unwrap();
     s.broker.prepare(&s.source, &[&name]).await;
     let ids: Vec<String> = [
         "'); DELETE FROM inbox_messages; --",
@@ -803,7 +961,10 @@ pub async fn hostile_values_are_bound_parameters<D: TestDb>(brokers: &dyn Broker
     running.stop().await;
     s.assert_exactly_once(&[&name], &ids).await;
     for id in &ids {
-        let row = s.db.row(&s.store, &name, id).await.expect("stored verbatim");
+        let row =
+            s.db.row(&s.store, &name, id)
+                .await
+                .expect("stored verbatim");
         assert!(row.processed);
     }
 }
@@ -826,18 +987,32 @@ pub async fn cleanup_keeps_dead_letters<D: TestDb>(brokers: &dyn BrokerFactory, 
     s.wait_for(&[&name], ids.len() - 1).await;
     running.stop().await;
     // Rows of other scenarios sharing the database may be deleted too; count only ours.
-    let report = s.store.cleanup(Duration::from_secs(3600), 10).await.unwrap();
+    let report = s
+        .store
+        .cleanup(Duration::from_secs(3600), 10)
+        .await
+        .unwrap();
     assert!(!report.skipped_locked);
     let stats = s.store.stats(Some(&name)).await.unwrap();
-    assert_eq!(stats[0].rows, 25, "nothing is younger than an hour ago: {report:?}");
+    assert_eq!(
+        stats[0].rows, 25,
+        "nothing is younger than an hour ago: {report:?}"
+    );
     let report = s.store.cleanup(Duration::ZERO, 10).await.unwrap();
     assert!(report.deleted >= 24 && report.batches >= 3, "{report:?}");
     let stats = s.store.stats(Some(&name)).await.unwrap();
-    assert_eq!((stats[0].rows, stats[0].dead), (1, 1), "only the dead row is left: {stats:?}");
+    assert_eq!(
+        (stats[0].rows, stats[0].dead),
+        (1, 1),
+        "only the dead row is left: {stats:?}"
+    );
 }
 
 /// Our migrations are idempotent and keep out of the application's own sqlx migrations.
-pub async fn migrations_coexist_with_the_application<D: TestDb>(_brokers: &dyn BrokerFactory, db: &Arc<D>) {
+pub async fn migrations_coexist_with_the_application<D: TestDb>(
+    _brokers: &dyn BrokerFactory,
+    db: &Arc<D>,
+) {
     let store = db.store().await;
     store.migrate().await.expect("migrating again is a no-op");
     db.check_app_migrations_coexist().await;

@@ -5,7 +5,8 @@ use std::sync::OnceLock;
 
 /// Whether a Docker engine looks reachable (testcontainers' own checks are slower to fail).
 fn docker_reachable() -> bool {
-    std::env::var_os("DOCKER_HOST").is_some() || std::path::Path::new("/var/run/docker.sock").exists()
+    std::env::var_os("DOCKER_HOST").is_some()
+        || std::path::Path::new("/var/run/docker.sock").exists()
 }
 
 fn missing(var: &str, example: &str) -> ! {

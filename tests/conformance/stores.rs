@@ -38,7 +38,8 @@ pub trait TestDb: Send + Sync + Sized + 'static {
     /// Effect rows per (consumer, message id).
     async fn effects(&self, store: &Self::Store, run: &str) -> HashMap<(String, String), i64>;
     /// The inbox row of (consumer, id).
-    async fn row(&self, store: &Self::Store, consumer: &ConsumerName, id: &str) -> Option<InboxRow>;
+    async fn row(&self, store: &Self::Store, consumer: &ConsumerName, id: &str)
+    -> Option<InboxRow>;
     /// Runs an application's own sqlx migrations (version 1, like ours would be if we used
     /// `_sqlx_migrations`) next to ours, in both orders.
     async fn check_app_migrations_coexist(&self);
@@ -49,9 +50,16 @@ const EFFECTS: &str = "CREATE TABLE IF NOT EXISTS conformance_effects (
 
 fn app_migrator() -> Migrator {
     // Built at run time from a folder of its own, as an application's `migrate!()` would be.
-    let dir = std::env::temp_dir().join(format!("inbox-app-migrations-{}", uuid::Uuid::new_v4().simple()));
+    let dir = std::env::temp_dir().join(format!(
+        "inbox-app-migrations-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("1_app_orders.sql"), "CREATE TABLE app_orders (id INTEGER PRIMARY KEY);").unwrap();
+    std::fs::write(
+        dir.join("1_app_orders.sql"),
+        "CREATE TABLE app_orders (id INTEGER PRIMARY KEY);",
+    )
+    .unwrap();
     let migrator = futures::executor::block_on(Migrator::new(dir.as_path())).unwrap();
     std::fs::remove_dir_all(&dir).ok();
     migrator
@@ -62,7 +70,10 @@ pub struct Sqlite;
 
 impl Sqlite {
     fn fresh_url() -> String {
-        let path = std::env::temp_dir().join(format!("inbox-conformance-{}.db", uuid::Uuid::new_v4().simple()));
+        let path = std::env::temp_dir().join(format!(
+            "inbox-conformance-{}.db",
+            uuid::Uuid::new_v4().simple()
+        ));
         format!("sqlite:{}", path.display())
     }
 }
@@ -73,20 +84,30 @@ impl TestDb for Sqlite {
     const CONCURRENT_WRITERS: bool = false;
 
     async fn store(&self) -> SqliteStore {
-        let store = SqliteStore::connect(&Self::fresh_url()).await.expect("open SQLite");
+        let store = SqliteStore::connect(&Self::fresh_url())
+            .await
+            .expect("open SQLite");
         store.migrate().await.expect("migrate SQLite");
         store.pool().execute(EFFECTS).await.expect("effects table");
         store
     }
 
-    async fn write_effect(&self, tx: &mut SqliteTx, run: &str, consumer: &str, id: &str) -> Result<(), sqlx::Error> {
-        sqlx::query("INSERT INTO conformance_effects (run, consumer, message_id) VALUES ($1, $2, $3)")
-            .bind(run)
-            .bind(consumer)
-            .bind(id)
-            .execute(&mut **tx)
-            .await
-            .map(drop)
+    async fn write_effect(
+        &self,
+        tx: &mut SqliteTx,
+        run: &str,
+        consumer: &str,
+        id: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "INSERT INTO conformance_effects (run, consumer, message_id) VALUES ($1, $2, $3)",
+        )
+        .bind(run)
+        .bind(consumer)
+        .bind(id)
+        .execute(&mut **tx)
+        .await
+        .map(drop)
     }
 
     async fn effects(&self, store: &SqliteStore, run: &str) -> HashMap<(String, String), i64> {
@@ -100,7 +121,12 @@ impl TestDb for Sqlite {
         rows.into_iter().map(|(c, m, n)| ((c, m), n)).collect()
     }
 
-    async fn row(&self, store: &SqliteStore, consumer: &ConsumerName, id: &str) -> Option<InboxRow> {
+    async fn row(
+        &self,
+        store: &SqliteStore,
+        consumer: &ConsumerName,
+        id: &str,
+    ) -> Option<InboxRow> {
         let row: Option<(bool, bool, i64, Option<String>)> = sqlx::query_as(
             "SELECT processed_at IS NOT NULL, dead_lettered_at IS NOT NULL, attempts, last_error
              FROM inbox_messages WHERE consumer = $1 AND message_id = $2",
@@ -110,7 +136,12 @@ impl TestDb for Sqlite {
         .fetch_optional(store.pool())
         .await
         .expect("read inbox row");
-        row.map(|(processed, dead, attempts, last_error)| InboxRow { processed, dead, attempts, last_error })
+        row.map(|(processed, dead, attempts, last_error)| InboxRow {
+            processed,
+            dead,
+            attempts,
+            last_error,
+        })
     }
 
     async fn check_app_migrations_coexist(&self) {
@@ -120,14 +151,23 @@ impl TestDb for Sqlite {
             if ours_first {
                 store.migrate().await.unwrap();
             }
-            app.run(store.pool()).await.expect("the application's migrations run beside ours");
-            store.migrate().await.expect("ours run beside the application's");
+            app.run(store.pool())
+                .await
+                .expect("the application's migrations run beside ours");
+            store
+                .migrate()
+                .await
+                .expect("ours run beside the application's");
             app.run(store.pool()).await.expect("and again");
             let versions: Vec<i64> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations")
                 .fetch_all(store.pool())
                 .await
                 .unwrap();
-            assert_eq!(versions, vec![1], "only the application's version in _sqlx_migrations");
+            assert_eq!(
+                versions,
+                vec![1],
+                "only the application's version in _sqlx_migrations"
+            );
         }
     }
 }
@@ -158,20 +198,30 @@ impl TestDb for Postgres {
     const CONCURRENT_WRITERS: bool = true;
 
     async fn store(&self) -> PostgresStore {
-        let store = PostgresStore::connect(&Self::fresh_url().await, 8).await.expect("connect PostgreSQL");
+        let store = PostgresStore::connect(&Self::fresh_url().await, 8)
+            .await
+            .expect("connect PostgreSQL");
         store.migrate().await.expect("migrate PostgreSQL");
         store.pool().execute(EFFECTS).await.expect("effects table");
         store
     }
 
-    async fn write_effect(&self, tx: &mut PgTx, run: &str, consumer: &str, id: &str) -> Result<(), sqlx::Error> {
-        sqlx::query("INSERT INTO conformance_effects (run, consumer, message_id) VALUES ($1, $2, $3)")
-            .bind(run)
-            .bind(consumer)
-            .bind(id)
-            .execute(&mut **tx)
-            .await
-            .map(drop)
+    async fn write_effect(
+        &self,
+        tx: &mut PgTx,
+        run: &str,
+        consumer: &str,
+        id: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "INSERT INTO conformance_effects (run, consumer, message_id) VALUES ($1, $2, $3)",
+        )
+        .bind(run)
+        .bind(consumer)
+        .bind(id)
+        .execute(&mut **tx)
+        .await
+        .map(drop)
     }
 
     async fn effects(&self, store: &PostgresStore, run: &str) -> HashMap<(String, String), i64> {
@@ -185,7 +235,12 @@ impl TestDb for Postgres {
         rows.into_iter().map(|(c, m, n)| ((c, m), n)).collect()
     }
 
-    async fn row(&self, store: &PostgresStore, consumer: &ConsumerName, id: &str) -> Option<InboxRow> {
+    async fn row(
+        &self,
+        store: &PostgresStore,
+        consumer: &ConsumerName,
+        id: &str,
+    ) -> Option<InboxRow> {
         let row: Option<(bool, bool, i32, Option<String>)> = sqlx::query_as(
             "SELECT processed_at IS NOT NULL, dead_lettered_at IS NOT NULL, attempts, last_error
              FROM inbox_messages WHERE consumer = $1 AND message_id = $2",
@@ -206,18 +261,29 @@ impl TestDb for Postgres {
     async fn check_app_migrations_coexist(&self) {
         let app = app_migrator();
         for ours_first in [true, false] {
-            let store = PostgresStore::connect(&Self::fresh_url().await, 2).await.unwrap();
+            let store = PostgresStore::connect(&Self::fresh_url().await, 2)
+                .await
+                .unwrap();
             if ours_first {
                 store.migrate().await.unwrap();
             }
-            app.run(store.pool()).await.expect("the application's migrations run beside ours");
-            store.migrate().await.expect("ours run beside the application's");
+            app.run(store.pool())
+                .await
+                .expect("the application's migrations run beside ours");
+            store
+                .migrate()
+                .await
+                .expect("ours run beside the application's");
             app.run(store.pool()).await.expect("and again");
             let versions: Vec<i64> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations")
                 .fetch_all(store.pool())
                 .await
                 .unwrap();
-            assert_eq!(versions, vec![1], "only the application's version in _sqlx_migrations");
+            assert_eq!(
+                versions,
+                vec![1],
+                "only the application's version in _sqlx_migrations"
+            );
         }
     }
 }

@@ -30,8 +30,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::stream;
 use inbox_core::{
-    AckToken, Capabilities, Delivery, DeliveryStream, Headers, OutgoingMessage, Subscription, Transport,
-    TransportError,
+    AckToken, Capabilities, Delivery, DeliveryStream, Headers, OutgoingMessage, Subscription,
+    Transport, TransportError,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -218,7 +218,9 @@ struct Shared {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock leaves consistent state (every change is one step).
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -276,7 +278,11 @@ impl MemoryBroker {
 
     /// Installs an observer called before every ack applies.
     pub fn set_ack_observer(&self, observer: Arc<dyn AckObserver>) {
-        *self.shared.observer.lock().unwrap_or_else(|p| p.into_inner()) = Some(observer);
+        *self
+            .shared
+            .observer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(observer);
     }
 
     /// Creates a consumer group ahead of its first subscription, so that it is counted as
@@ -313,14 +319,18 @@ impl MemoryBroker {
         self.shared.lock().stats
     }
 
-    /// Messages waiting for `group` on `topic`, and messages delivered but not yet settled.
+    /// Messages waiting for `group` on `topic`, and messages delivered but not yet settled. A
+    /// group that has not subscribed yet has the whole topic waiting (it starts from the
+    /// beginning).
     pub fn backlog(&self, topic: &str, group: &str) -> (usize, usize) {
         let state = self.shared.lock();
-        state
-            .topics
-            .get(topic)
-            .and_then(|t| t.groups.get(group))
-            .map_or((0, 0), |g| (g.ready.len(), g.in_flight.len()))
+        let Some(topic) = state.topics.get(topic) else {
+            return (0, 0);
+        };
+        match topic.groups.get(group) {
+            Some(g) => (g.ready.len(), g.in_flight.len()),
+            None => (topic.log.len(), 0),
+        }
     }
 
     /// Every message ever published to `topic`, in order (for example a dead-letter topic).
@@ -345,7 +355,12 @@ impl MemoryBroker {
 
     /// Waits until every listed group of `topic` has nothing waiting and nothing in flight, or
     /// the timeout passes (then says what is left).
-    pub async fn wait_settled(&self, topic: &str, groups: &[&str], timeout: Duration) -> Result<(), String> {
+    pub async fn wait_settled(
+        &self,
+        topic: &str,
+        groups: &[&str],
+        timeout: Duration,
+    ) -> Result<(), String> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let changed = self.shared.changed.notified();
@@ -355,14 +370,18 @@ impl MemoryBroker {
                 .iter()
                 .filter_map(|g| {
                     let (ready, in_flight) = self.backlog(topic, g);
-                    (ready + in_flight > 0).then(|| format!("{g}: {ready} waiting, {in_flight} in flight"))
+                    (ready + in_flight > 0)
+                        .then(|| format!("{g}: {ready} waiting, {in_flight} in flight"))
                 })
                 .collect();
             if left.is_empty() {
                 return Ok(());
             }
             if tokio::time::timeout_at(deadline, changed).await.is_err() {
-                return Err(format!("not settled after {timeout:?}: {}", left.join("; ")));
+                return Err(format!(
+                    "not settled after {timeout:?}: {}",
+                    left.join("; ")
+                ));
             }
         }
     }
@@ -392,7 +411,9 @@ impl MemoryBroker {
         let mut index = 0;
         if len > 1 {
             let candidate = state.rng.random_range(0..len);
-            let seq = state.topics[topic].groups[group].ready[candidate].envelope.seq;
+            let seq = state.topics[topic].groups[group].ready[candidate]
+                .envelope
+                .seq;
             if candidate != 0 && state.roll(REORDER, reorder, seq) {
                 index = candidate;
                 state.stats.injected_reorders += 1;
@@ -435,7 +456,11 @@ impl MemoryBroker {
     /// Settles delivery `tag`: `requeue` puts the message back, otherwise it is done.
     fn settle(&self, topic: &str, group: &str, tag: u64, outcome: Settle) {
         let mut state = self.shared.lock();
-        let Some(group_state) = state.topics.get_mut(topic).and_then(|t| t.groups.get_mut(group)) else {
+        let Some(group_state) = state
+            .topics
+            .get_mut(topic)
+            .and_then(|t| t.groups.get_mut(group))
+        else {
             return;
         };
         let Some(pending) = group_state.in_flight.remove(&tag) else {
@@ -463,7 +488,11 @@ impl MemoryBroker {
     }
 
     fn requeue(state: &mut State, topic: &str, group: &str, pending: Pending) {
-        if let Some(g) = state.topics.get_mut(topic).and_then(|t| t.groups.get_mut(group)) {
+        if let Some(g) = state
+            .topics
+            .get_mut(topic)
+            .and_then(|t| t.groups.get_mut(group))
+        {
             g.ready.push_back(pending);
         }
     }
@@ -485,20 +514,30 @@ impl Transport for MemoryBroker {
         Capabilities::basic().with_delivery_count(true)
     }
 
-    async fn subscribe(&self, subscription: &Subscription) -> Result<DeliveryStream, TransportError> {
+    async fn subscribe(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<DeliveryStream, TransportError> {
         let topic = subscription.source.clone();
         let group = subscription.consumer.as_str().to_owned();
         self.declare_group(&topic, &group);
         let broker = self.clone();
-        let deliveries = stream::unfold((broker, topic, group), |(broker, topic, group)| async move {
-            let delivery = broker.next_delivery(&topic, &group).await;
-            let boxed: Box<dyn Delivery> = Box::new(delivery);
-            Some((Ok(boxed), (broker, topic, group)))
-        });
+        let deliveries = stream::unfold(
+            (broker, topic, group),
+            |(broker, topic, group)| async move {
+                let delivery = broker.next_delivery(&topic, &group).await;
+                let boxed: Box<dyn Delivery> = Box::new(delivery);
+                Some((Ok(boxed), (broker, topic, group)))
+            },
+        );
         Ok(Box::pin(deliveries))
     }
 
-    async fn publish(&self, destination: &str, message: OutgoingMessage) -> Result<(), TransportError> {
+    async fn publish(
+        &self,
+        destination: &str,
+        message: OutgoingMessage,
+    ) -> Result<(), TransportError> {
         let mut state = self.shared.lock();
         let seq = state.next_seq;
         let p = state.faults.duplicate_publish;
@@ -588,21 +627,37 @@ impl Delivery for MemoryDelivery {
     }
 
     async fn ack(mut self: Box<Self>, _token: AckToken) -> Result<(), TransportError> {
-        let observer = self.broker.shared.observer.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let observer = self
+            .broker
+            .shared
+            .observer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         if let Some(observer) = observer {
             observer
-                .before_ack(&self.topic, &self.group, self.envelope.message_id.as_deref())
+                .before_ack(
+                    &self.topic,
+                    &self.group,
+                    self.envelope.message_id.as_deref(),
+                )
                 .await;
         }
         self.settled = true;
-        self.broker.settle(&self.topic, &self.group, self.tag, Settle::Ack);
+        self.broker
+            .settle(&self.topic, &self.group, self.tag, Settle::Ack);
         Ok(())
     }
 
     async fn nack(mut self: Box<Self>, requeue: bool) -> Result<(), TransportError> {
         self.settled = true;
-        let outcome = if requeue { Settle::Requeue } else { Settle::Discard };
-        self.broker.settle(&self.topic, &self.group, self.tag, outcome);
+        let outcome = if requeue {
+            Settle::Requeue
+        } else {
+            Settle::Discard
+        };
+        self.broker
+            .settle(&self.topic, &self.group, self.tag, outcome);
         Ok(())
     }
 }
@@ -610,8 +665,12 @@ impl Delivery for MemoryDelivery {
 impl Drop for MemoryDelivery {
     fn drop(&mut self) {
         if !self.settled {
-            tracing::debug!(tag = self.tag, "memory delivery dropped unsettled; redelivering");
-            self.broker.settle(&self.topic, &self.group, self.tag, Settle::Requeue);
+            tracing::debug!(
+                tag = self.tag,
+                "memory delivery dropped unsettled; redelivering"
+            );
+            self.broker
+                .settle(&self.topic, &self.group, self.tag, Settle::Requeue);
         }
     }
 }
@@ -631,7 +690,10 @@ mod tests {
     async fn nack_and_drop_redeliver_ack_settles() {
         let broker = MemoryBroker::new();
         let mut stream = broker.subscribe(&sub("t", "g")).await.unwrap();
-        broker.publish("t", OutgoingMessage::new("a", "1")).await.unwrap();
+        broker
+            .publish("t", OutgoingMessage::new("a", "1"))
+            .await
+            .unwrap();
 
         let first = stream.next().await.unwrap().unwrap();
         assert!(!first.redelivered());
@@ -653,7 +715,10 @@ mod tests {
         let mut a1 = broker.subscribe(&sub("t", "a")).await.unwrap();
         let mut a2 = broker.subscribe(&sub("t", "a")).await.unwrap();
         for i in 0..2 {
-            broker.publish("t", OutgoingMessage::new(format!("m{i}"), "x")).await.unwrap();
+            broker
+                .publish("t", OutgoingMessage::new(format!("m{i}"), "x"))
+                .await
+                .unwrap();
         }
         // A group created later still gets everything.
         let mut b = broker.subscribe(&sub("t", "b")).await.unwrap();
@@ -662,7 +727,13 @@ mod tests {
         assert_ne!(x.broker_message_id(), y.broker_message_id());
         assert_eq!(broker.backlog("t", "a"), (0, 2));
         for _ in 0..2 {
-            b.next().await.unwrap().unwrap().ack(AckToken::for_transport_tests()).await.unwrap();
+            b.next()
+                .await
+                .unwrap()
+                .unwrap()
+                .ack(AckToken::for_transport_tests())
+                .await
+                .unwrap();
         }
         assert_eq!(broker.backlog("t", "b"), (0, 0));
     }
@@ -676,7 +747,10 @@ mod tests {
         let broker = MemoryBroker::with_faults(faults);
         let mut stream = broker.subscribe(&sub("t", "g")).await.unwrap();
         for i in 0..50 {
-            broker.publish("t", OutgoingMessage::new(format!("m{i}"), "x")).await.unwrap();
+            broker
+                .publish("t", OutgoingMessage::new(format!("m{i}"), "x"))
+                .await
+                .unwrap();
         }
         let mut seen = Vec::new();
         while broker.backlog("t", "g") != (0, 0) {

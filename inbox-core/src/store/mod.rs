@@ -146,7 +146,8 @@ pub trait InboxStore: Send + Sync + 'static {
 
     /// Clears the dead mark of a message so that its next delivery is handled: the operator's
     /// replay. Returns whether there was such a dead row.
-    async fn clear_dead(&self, consumer: &ConsumerName, id: &MessageId) -> Result<bool, StoreError>;
+    async fn clear_dead(&self, consumer: &ConsumerName, id: &MessageId)
+    -> Result<bool, StoreError>;
 
     /// Dead-lettered messages, oldest first.
     async fn dead_letters(
@@ -157,10 +158,17 @@ pub trait InboxStore: Send + Sync + 'static {
 
     /// Deletes processed rows older than `older_than`, `batch_size` rows per transaction, one
     /// instance at a time. Dead-lettered rows are kept.
-    async fn cleanup(&self, older_than: Duration, batch_size: u32) -> Result<CleanupReport, StoreError>;
+    async fn cleanup(
+        &self,
+        older_than: Duration,
+        batch_size: u32,
+    ) -> Result<CleanupReport, StoreError>;
 
     /// Counts per consumer (one consumer, or all).
-    async fn stats(&self, consumer: Option<&ConsumerName>) -> Result<Vec<ConsumerStats>, StoreError>;
+    async fn stats(
+        &self,
+        consumer: Option<&ConsumerName>,
+    ) -> Result<Vec<ConsumerStats>, StoreError>;
 }
 
 /// The pool's `after_release` hook: `false` (close the connection) when it comes back still
@@ -223,7 +231,10 @@ mod sql_errors {
         // crash recovery (57P01..57P03).
         if code.len() == 5 && code.chars().all(|c| c.is_ascii_alphanumeric()) {
             return code.starts_with("08")
-                || matches!(code, "40001" | "40P01" | "53300" | "55P03" | "57P01" | "57P02" | "57P03");
+                || matches!(
+                    code,
+                    "40001" | "40P01" | "53300" | "55P03" | "57P01" | "57P02" | "57P03"
+                );
         }
         // SQLite result codes (extended): BUSY (5) and LOCKED (6) in the low byte.
         code.parse::<i32>()
@@ -257,7 +268,10 @@ pub(crate) mod migrate {
         applied: &[(i64, Vec<u8>)],
     ) -> Result<Vec<&'m Migration>, StoreError> {
         let mut todo = Vec::new();
-        for migration in migrator.iter().filter(|m| m.migration_type.is_up_migration()) {
+        for migration in migrator
+            .iter()
+            .filter(|m| m.migration_type.is_up_migration())
+        {
             match applied.iter().find(|(v, _)| *v == migration.version) {
                 Some((_, checksum)) if checksum.as_slice() != &*migration.checksum => {
                     return Err(StoreError::Migration(format!(

@@ -6,7 +6,9 @@ use async_trait::async_trait;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Postgres};
 
-use super::{CleanupReport, Claim, ConsumerStats, DeadLetter, InboxStore, store_error, truncate_error};
+use super::{
+    Claim, CleanupReport, ConsumerStats, DeadLetter, InboxStore, store_error, truncate_error,
+};
 use crate::error::StoreError;
 use crate::id::{ConsumerName, MessageId};
 
@@ -93,7 +95,12 @@ impl InboxStore for PostgresStore {
         self.pool.begin().await.map_err(store_error)
     }
 
-    async fn claim(&self, tx: &mut PgTx, consumer: &ConsumerName, id: &MessageId) -> Result<Claim, StoreError> {
+    async fn claim(
+        &self,
+        tx: &mut PgTx,
+        consumer: &ConsumerName,
+        id: &MessageId,
+    ) -> Result<Claim, StoreError> {
         let row: Option<(i32, Option<String>)> = sqlx::query_as(CLAIM)
             .bind(consumer.as_str())
             .bind(id.as_str())
@@ -200,7 +207,11 @@ impl InboxStore for PostgresStore {
         Ok(())
     }
 
-    async fn clear_dead(&self, consumer: &ConsumerName, id: &MessageId) -> Result<bool, StoreError> {
+    async fn clear_dead(
+        &self,
+        consumer: &ConsumerName,
+        id: &MessageId,
+    ) -> Result<bool, StoreError> {
         // The replayed message starts afresh: a new attempt budget.
         let done = sqlx::query(
             "UPDATE inbox_messages SET dead_lettered_at = NULL, attempts = 0
@@ -214,7 +225,11 @@ impl InboxStore for PostgresStore {
         Ok(done.rows_affected() > 0)
     }
 
-    async fn dead_letters(&self, consumer: Option<&ConsumerName>, limit: u32) -> Result<Vec<DeadLetter>, StoreError> {
+    async fn dead_letters(
+        &self,
+        consumer: Option<&ConsumerName>,
+        limit: u32,
+    ) -> Result<Vec<DeadLetter>, StoreError> {
         let rows: Vec<(String, String, i32, Option<String>, f64)> = sqlx::query_as(
             "SELECT consumer, message_id, attempts, last_error,
                     EXTRACT(EPOCH FROM now() - dead_lettered_at)::float8
@@ -230,17 +245,23 @@ impl InboxStore for PostgresStore {
         .map_err(store_error)?;
         Ok(rows
             .into_iter()
-            .map(|(consumer, message_id, attempts, last_error, age)| DeadLetter {
-                consumer,
-                message_id,
-                attempts: attempts.max(0) as u32,
-                last_error,
-                age: Duration::from_secs_f64(age.max(0.0)),
-            })
+            .map(
+                |(consumer, message_id, attempts, last_error, age)| DeadLetter {
+                    consumer,
+                    message_id,
+                    attempts: attempts.max(0) as u32,
+                    last_error,
+                    age: Duration::from_secs_f64(age.max(0.0)),
+                },
+            )
             .collect())
     }
 
-    async fn cleanup(&self, older_than: Duration, batch_size: u32) -> Result<CleanupReport, StoreError> {
+    async fn cleanup(
+        &self,
+        older_than: Duration,
+        batch_size: u32,
+    ) -> Result<CleanupReport, StoreError> {
         let mut conn = self.pool.acquire().await.map_err(store_error)?;
         let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
             .bind(CLEANUP_LOCK)
@@ -288,7 +309,10 @@ impl InboxStore for PostgresStore {
         result.map(|()| report)
     }
 
-    async fn stats(&self, consumer: Option<&ConsumerName>) -> Result<Vec<ConsumerStats>, StoreError> {
+    async fn stats(
+        &self,
+        consumer: Option<&ConsumerName>,
+    ) -> Result<Vec<ConsumerStats>, StoreError> {
         let rows: Vec<(String, i64, i64, i64, i64, i64, Option<f64>)> = sqlx::query_as(
             "SELECT consumer,
                     count(*),
@@ -308,15 +332,17 @@ impl InboxStore for PostgresStore {
         .map_err(store_error)?;
         Ok(rows
             .into_iter()
-            .map(|(consumer, rows, processed, last_hour, failing, dead, oldest)| ConsumerStats {
-                consumer,
-                rows: rows as u64,
-                processed: processed as u64,
-                processed_last_hour: last_hour as u64,
-                failing: failing as u64,
-                dead: dead as u64,
-                oldest_unprocessed: oldest.map(|s| Duration::from_secs_f64(s.max(0.0))),
-            })
+            .map(
+                |(consumer, rows, processed, last_hour, failing, dead, oldest)| ConsumerStats {
+                    consumer,
+                    rows: rows as u64,
+                    processed: processed as u64,
+                    processed_last_hour: last_hour as u64,
+                    failing: failing as u64,
+                    dead: dead as u64,
+                    oldest_unprocessed: oldest.map(|s| Duration::from_secs_f64(s.max(0.0))),
+                },
+            )
             .collect())
     }
 }

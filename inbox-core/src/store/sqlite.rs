@@ -8,7 +8,9 @@ use async_trait::async_trait;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{Sqlite, SqlitePool};
 
-use super::{CleanupReport, Claim, ConsumerStats, DeadLetter, InboxStore, store_error, truncate_error};
+use super::{
+    Claim, CleanupReport, ConsumerStats, DeadLetter, InboxStore, store_error, truncate_error,
+};
 use crate::error::StoreError;
 use crate::id::{ConsumerName, MessageId};
 
@@ -53,12 +55,24 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(Duration::from_secs(30));
         // An in-memory database exists once per connection: keep exactly one.
-        let max = if url.contains(":memory:") || url.contains("mode=memory") { 1 } else { 8 };
+        let max = if url.contains(":memory:") || url.contains("mode=memory") {
+            1
+        } else {
+            8
+        };
         let pool = SqlitePoolOptions::new()
             .max_connections(max)
             .min_connections(if max == 1 { 1 } else { 0 })
-            .idle_timeout(if max == 1 { None } else { Some(Duration::from_secs(600)) })
-            .max_lifetime(if max == 1 { None } else { Some(Duration::from_secs(1800)) })
+            .idle_timeout(if max == 1 {
+                None
+            } else {
+                Some(Duration::from_secs(600))
+            })
+            .max_lifetime(if max == 1 {
+                None
+            } else {
+                Some(Duration::from_secs(1800))
+            })
             .after_release(|conn, _| Box::pin(async move { Ok(super::release_clean(conn)) }))
             .connect_with(options)
             .await
@@ -92,13 +106,25 @@ impl InboxStore for SqliteStore {
     async fn begin(&self) -> Result<SqliteTx, StoreError> {
         // Take the write lock up front: a deferred transaction that reads first can fail to
         // upgrade (SQLITE_BUSY_SNAPSHOT) when another writer committed meanwhile.
-        self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(store_error)
+        self.pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(store_error)
     }
 
-    async fn claim(&self, tx: &mut SqliteTx, consumer: &ConsumerName, id: &MessageId) -> Result<Claim, StoreError> {
+    async fn claim(
+        &self,
+        tx: &mut SqliteTx,
+        consumer: &ConsumerName,
+        id: &MessageId,
+    ) -> Result<Claim, StoreError> {
         let row: Option<(i64, Option<String>)> = sqlx::query_as(concat!(
-            "INSERT INTO inbox_messages (consumer, message_id, processed_at) VALUES ($1, $2, ", now!(), ")
-             ON CONFLICT (consumer, message_id) DO UPDATE SET processed_at = ", now!(), "
+            "INSERT INTO inbox_messages (consumer, message_id, processed_at) VALUES ($1, $2, ",
+            now!(),
+            ")
+             ON CONFLICT (consumer, message_id) DO UPDATE SET processed_at = ",
+            now!(),
+            "
                WHERE inbox_messages.processed_at IS NULL AND inbox_messages.dead_lettered_at IS NULL
              RETURNING attempts, last_error"
         ))
@@ -133,7 +159,9 @@ impl InboxStore for SqliteStore {
         reason: &str,
     ) -> Result<(), StoreError> {
         sqlx::query(concat!(
-            "UPDATE inbox_messages SET processed_at = NULL, dead_lettered_at = ", now!(), ",
+            "UPDATE inbox_messages SET processed_at = NULL, dead_lettered_at = ",
+            now!(),
+            ",
                 attempts = MAX(attempts, $3), last_error = $4
              WHERE consumer = $1 AND message_id = $2"
         ))
@@ -177,7 +205,9 @@ impl InboxStore for SqliteStore {
         .fetch_optional(&self.pool)
         .await
         .map_err(store_error)?;
-        Ok(attempts.unwrap_or(i64::from(attempt)).clamp(0, i64::from(u32::MAX)) as u32)
+        Ok(attempts
+            .unwrap_or(i64::from(attempt))
+            .clamp(0, i64::from(u32::MAX)) as u32)
     }
 
     async fn record_dead(
@@ -205,7 +235,11 @@ impl InboxStore for SqliteStore {
         Ok(())
     }
 
-    async fn clear_dead(&self, consumer: &ConsumerName, id: &MessageId) -> Result<bool, StoreError> {
+    async fn clear_dead(
+        &self,
+        consumer: &ConsumerName,
+        id: &MessageId,
+    ) -> Result<bool, StoreError> {
         let done = sqlx::query(
             "UPDATE inbox_messages SET dead_lettered_at = NULL, attempts = 0
              WHERE consumer = $1 AND message_id = $2 AND dead_lettered_at IS NOT NULL",
@@ -218,9 +252,15 @@ impl InboxStore for SqliteStore {
         Ok(done.rows_affected() > 0)
     }
 
-    async fn dead_letters(&self, consumer: Option<&ConsumerName>, limit: u32) -> Result<Vec<DeadLetter>, StoreError> {
+    async fn dead_letters(
+        &self,
+        consumer: Option<&ConsumerName>,
+        limit: u32,
+    ) -> Result<Vec<DeadLetter>, StoreError> {
         let rows: Vec<(String, String, i64, Option<String>, f64)> = sqlx::query_as(concat!(
-            "SELECT consumer, message_id, attempts, last_error, ", age_secs!("dead_lettered_at"), "
+            "SELECT consumer, message_id, attempts, last_error, ",
+            age_secs!("dead_lettered_at"),
+            "
              FROM inbox_messages
              WHERE processed_at IS NULL AND dead_lettered_at IS NOT NULL
                AND ($1 IS NULL OR consumer = $1)
@@ -233,17 +273,23 @@ impl InboxStore for SqliteStore {
         .map_err(store_error)?;
         Ok(rows
             .into_iter()
-            .map(|(consumer, message_id, attempts, last_error, age)| DeadLetter {
-                consumer,
-                message_id,
-                attempts: attempts.clamp(0, i64::from(u32::MAX)) as u32,
-                last_error,
-                age: Duration::from_secs_f64(age.max(0.0)),
-            })
+            .map(
+                |(consumer, message_id, attempts, last_error, age)| DeadLetter {
+                    consumer,
+                    message_id,
+                    attempts: attempts.clamp(0, i64::from(u32::MAX)) as u32,
+                    last_error,
+                    age: Duration::from_secs_f64(age.max(0.0)),
+                },
+            )
             .collect())
     }
 
-    async fn cleanup(&self, older_than: Duration, batch_size: u32) -> Result<CleanupReport, StoreError> {
+    async fn cleanup(
+        &self,
+        older_than: Duration,
+        batch_size: u32,
+    ) -> Result<CleanupReport, StoreError> {
         // SQLite has one writer at a time: each batch is a short write transaction, so claims
         // wait at most one batch.
         let modifier = format!("-{:.3} seconds", older_than.as_secs_f64());
@@ -271,7 +317,10 @@ impl InboxStore for SqliteStore {
         }
     }
 
-    async fn stats(&self, consumer: Option<&ConsumerName>) -> Result<Vec<ConsumerStats>, StoreError> {
+    async fn stats(
+        &self,
+        consumer: Option<&ConsumerName>,
+    ) -> Result<Vec<ConsumerStats>, StoreError> {
         let rows: Vec<(String, i64, i64, i64, i64, i64, Option<f64>)> = sqlx::query_as(concat!(
             "SELECT consumer,
                     count(*),
@@ -290,15 +339,17 @@ impl InboxStore for SqliteStore {
         .map_err(store_error)?;
         Ok(rows
             .into_iter()
-            .map(|(consumer, rows, processed, last_hour, failing, dead, oldest)| ConsumerStats {
-                consumer,
-                rows: rows as u64,
-                processed: processed as u64,
-                processed_last_hour: last_hour as u64,
-                failing: failing as u64,
-                dead: dead as u64,
-                oldest_unprocessed: oldest.map(|s| Duration::from_secs_f64(s.max(0.0))),
-            })
+            .map(
+                |(consumer, rows, processed, last_hour, failing, dead, oldest)| ConsumerStats {
+                    consumer,
+                    rows: rows as u64,
+                    processed: processed as u64,
+                    processed_last_hour: last_hour as u64,
+                    failing: failing as u64,
+                    dead: dead as u64,
+                    oldest_unprocessed: oldest.map(|s| Duration::from_secs_f64(s.max(0.0))),
+                },
+            )
             .collect())
     }
 }

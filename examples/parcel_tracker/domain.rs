@@ -1,0 +1,258 @@
+//! The parcel domain: the event, the two consumers' handlers and their tables, and the report.
+
+use inbox::{
+    HandlerError, InboxStore, Message, OutgoingMessage, PgTx, SqliteTx, Transport, TransportError,
+    async_trait,
+};
+use serde::{Deserialize, Serialize};
+
+pub const NOTIFICATION: &str = "notification";
+pub const CARRIER_ASSIGNMENT: &str = "carrier-assignment";
+
+/// What the producer publishes: JSON on the wire; its id travels in the AMQP `message_id`
+/// property or the Kafka header `message-id`, not in the payload.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ParcelCreatedEvent {
+    pub parcel_id: uuid::Uuid,
+    pub tracking_number: String,
+    pub destination: String,
+}
+
+impl ParcelCreatedEvent {
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("an event serializes")
+    }
+}
+
+const DESTINATIONS: [&str; 6] = ["Amsterdam", "Berlin", "Lisbon", "Oslo", "Prague", "Vienna"];
+const CARRIERS: [&str; 4] = ["DHL", "DPD", "GLS", "PostNL"];
+
+pub fn sample_event(n: usize) -> ParcelCreatedEvent {
+    ParcelCreatedEvent {
+        parcel_id: uuid::Uuid::new_v4(),
+        tracking_number: format!("TRK{n:08}"),
+        destination: DESTINATIONS[n % DESTINATIONS.len()].to_owned(),
+    }
+}
+
+/// Publishes `count` events; every `1/duplicates`-th one twice with the same id, as a producer
+/// retrying after a lost publisher confirm would. Returns the messages sent.
+pub async fn publish_events(
+    transport: &dyn Transport,
+    source: &str,
+    count: usize,
+    duplicates: f64,
+    _seed: u64,
+) -> Result<u64, TransportError> {
+    let every = if duplicates > 0.0 {
+        (1.0 / duplicates).round().max(1.0) as usize
+    } else {
+        usize::MAX
+    };
+    let mut sent = 0;
+    for n in 0..count {
+        let event = sample_event(n);
+        let message = OutgoingMessage::new(uuid::Uuid::new_v4().to_string(), event.to_json())
+            .with_key(event.parcel_id.to_string());
+        let copies = if n % every == every - 1 { 2 } else { 1 };
+        for _ in 0..copies {
+            transport.publish(source, message.clone()).await?;
+            sent += 1;
+        }
+    }
+    Ok(sent)
+}
+
+/// The demo's own tables (an application would keep these in its own migrations). A booking has
+/// its own id and a non-unique `parcel_id`: a double booking would show as two rows.
+pub async fn create_tables<'e, E>(executor: E) -> Result<(), sqlx::Error>
+where
+    E: sqlx::Executor<'e> + Copy,
+{
+    for statement in [
+        "CREATE TABLE IF NOT EXISTS notifications (
+            id TEXT PRIMARY KEY, parcel_id TEXT NOT NULL, tracking_number TEXT NOT NULL, text TEXT NOT NULL)",
+        "CREATE INDEX IF NOT EXISTS notifications_parcel ON notifications (parcel_id)",
+        "CREATE TABLE IF NOT EXISTS carrier_bookings (
+            id TEXT PRIMARY KEY, parcel_id TEXT NOT NULL, carrier TEXT NOT NULL, destination TEXT NOT NULL)",
+        "CREATE INDEX IF NOT EXISTS carrier_bookings_parcel ON carrier_bookings (parcel_id)",
+    ] {
+        executor.execute(statement).await?;
+    }
+    Ok(())
+}
+
+/// Sends the customer a notification (here: writes it to `notifications`).
+pub struct Notification;
+
+/// Books a carrier slot (here: writes it to `carrier_bookings`). The carrier's API is flaky: about
+/// one event in twenty fails on its first attempt and succeeds on the retry.
+#[derive(Default)]
+pub struct CarrierAssignment;
+
+fn flaky(event: &ParcelCreatedEvent, attempt: u32) -> bool {
+    attempt == 1
+        && event
+            .parcel_id
+            .as_bytes()
+            .iter()
+            .map(|b| u32::from(*b))
+            .sum::<u32>()
+            % 20
+            == 0
+}
+
+fn carrier_for(event: &ParcelCreatedEvent) -> &'static str {
+    CARRIERS[event.destination.len() % CARRIERS.len()]
+}
+
+/// The same handlers for both stores: the SQL is identical, only the transaction type differs.
+macro_rules! handlers_for {
+    ($tx:ty) => {
+        #[async_trait]
+        impl inbox::Handler<$tx> for Notification {
+            async fn handle(&self, message: &Message<'_>, tx: &mut $tx) -> Result<(), HandlerError> {
+                let event: ParcelCreatedEvent = message.json()?;
+                sqlx::query("INSERT INTO notifications (id, parcel_id, tracking_number, text) VALUES ($1, $2, $3, $4)")
+                    .bind(uuid::Uuid::new_v4().to_string())
+                    .bind(event.parcel_id.to_string())
+                    .bind(&event.tracking_number)
+                    .bind(format!("Your parcel {} is on its way to {}", event.tracking_number, event.destination))
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(())
+            }
+        }
+
+        #[async_trait]
+        impl inbox::Handler<$tx> for CarrierAssignment {
+            async fn handle(&self, message: &Message<'_>, tx: &mut $tx) -> Result<(), HandlerError> {
+                let event: ParcelCreatedEvent = message.json()?;
+                if flaky(&event, message.attempt) {
+                    return Err(HandlerError::transient("carrier API timed out"));
+                }
+                sqlx::query("INSERT INTO carrier_bookings (id, parcel_id, carrier, destination) VALUES ($1, $2, $3, $4)")
+                    .bind(uuid::Uuid::new_v4().to_string())
+                    .bind(event.parcel_id.to_string())
+                    .bind(carrier_for(&event))
+                    .bind(&event.destination)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(())
+            }
+        }
+    };
+}
+
+handlers_for!(PgTx);
+handlers_for!(SqliteTx);
+
+/// What the database says the consumers did.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub notifications: u64,
+    pub bookings: u64,
+    pub parcels_seen: u64,
+    pub parcels_complete: u64,
+    pub double_notifications: u64,
+    pub double_bookings: u64,
+    pub consumers: Vec<ConsumerCounts>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ConsumerCounts {
+    pub consumer: String,
+    pub processed: u64,
+    pub failing: u64,
+    pub dead_lettered: u64,
+}
+
+impl Report {
+    pub async fn read<'e, E, S>(
+        store: &S,
+        executor: E,
+    ) -> Result<Self, Box<dyn std::error::Error + Send + Sync>>
+    where
+        E: sqlx::Executor<'e> + Copy,
+        i64: sqlx::Type<E::Database> + for<'r> sqlx::Decode<'r, E::Database>,
+        usize: sqlx::ColumnIndex<<E::Database as sqlx::Database>::Row>,
+        for<'q> <E::Database as sqlx::Database>::Arguments<'q>:
+            sqlx::IntoArguments<'q, E::Database>,
+        S: InboxStore,
+    {
+        let count = |sql: &'static str| async move {
+            let n: i64 = sqlx::query_scalar(sql).fetch_one(executor).await?;
+            Ok::<u64, sqlx::Error>(n.max(0) as u64)
+        };
+        let consumers = store
+            .stats(None)
+            .await?
+            .into_iter()
+            .map(|s| ConsumerCounts {
+                consumer: s.consumer,
+                processed: s.processed,
+                failing: s.failing,
+                dead_lettered: s.dead,
+            })
+            .collect();
+        Ok(Self {
+            notifications: count("SELECT count(*) FROM notifications").await?,
+            bookings: count("SELECT count(*) FROM carrier_bookings").await?,
+            parcels_seen: count(
+                "SELECT count(*) FROM (SELECT parcel_id FROM notifications UNION SELECT parcel_id FROM carrier_bookings) p",
+            )
+            .await?,
+            parcels_complete: count(
+                "SELECT count(*) FROM
+                   (SELECT parcel_id FROM notifications GROUP BY parcel_id HAVING count(*) = 1) n
+                 JOIN (SELECT parcel_id FROM carrier_bookings GROUP BY parcel_id HAVING count(*) = 1) b
+                   ON n.parcel_id = b.parcel_id",
+            )
+            .await?,
+            double_notifications: count(
+                "SELECT count(*) FROM (SELECT parcel_id FROM notifications GROUP BY parcel_id HAVING count(*) > 1) d",
+            )
+            .await?,
+            double_bookings: count(
+                "SELECT count(*) FROM (SELECT parcel_id FROM carrier_bookings GROUP BY parcel_id HAVING count(*) > 1) d",
+            )
+            .await?,
+            consumers,
+        })
+    }
+
+    /// Every parcel seen has exactly one notification and one booking.
+    pub fn consistent(&self) -> bool {
+        self.double_notifications == 0
+            && self.double_bookings == 0
+            && self.parcels_complete == self.parcels_seen
+    }
+
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        let mut line =
+            |label: &str, value: String| out.push_str(&format!("{label:<40}{value:>10}\n"));
+        line("notifications", self.notifications.to_string());
+        line("carrier bookings", self.bookings.to_string());
+        line("parcels seen", self.parcels_seen.to_string());
+        line(
+            "parcels with one notification + one booking",
+            self.parcels_complete.to_string(),
+        );
+        line(
+            "parcels notified twice or more",
+            self.double_notifications.to_string(),
+        );
+        line(
+            "parcels booked twice or more",
+            self.double_bookings.to_string(),
+        );
+        for c in &self.consumers {
+            line(
+                &format!("inbox {}: processed / failing / dead", c.consumer),
+                format!("{} / {} / {}", c.processed, c.failing, c.dead_lettered),
+            );
+        }
+        out
+    }
+}

@@ -1,0 +1,51 @@
+# Sourced by scripts/test: make sure the services the tests need are installed and running.
+# Each ensure_* installs (Debian packages) when missing, starts when down, and waits until the
+# service answers — or fails loudly.
+
+PG_HOST=127.0.0.1
+PG_PORT=5432
+
+say() { printf '[services] %s\n' "$*" >&2; }
+die() { printf '[services] FAILED: %s\n' "$*" >&2; exit 1; }
+
+wait_for() { # wait_for DESCRIPTION SECONDS COMMAND...
+  local what=$1 seconds=$2; shift 2
+  local deadline=$((SECONDS + seconds))
+  until "$@" >/dev/null 2>&1; do
+    [ "$SECONDS" -lt "$deadline" ] || die "$what did not become ready within ${seconds}s"
+    sleep 1
+  done
+}
+
+apt_install() {
+  command -v apt-get >/dev/null || die "cannot install $* here: no apt-get"
+  say "installing $*"
+  if [ -z "${APT_UPDATED:-}" ]; then apt-get update -qq >&2; APT_UPDATED=1; fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >&2
+}
+
+ensure_postgres() {
+  if [ -n "${DATABASE_URL:-}" ] && [ "${INBOX_START_SERVICES:-1}" = 0 ]; then return; fi
+  if ! pg_isready -h "$PG_HOST" -p "$PG_PORT" -q 2>/dev/null; then
+    if ! command -v pg_ctlcluster >/dev/null; then
+      apt_install postgresql postgresql-client
+    fi
+    local version
+    version=$(ls /etc/postgresql 2>/dev/null | sort -V | tail -n 1)
+    [ -n "$version" ] || die "PostgreSQL is installed but has no cluster under /etc/postgresql"
+    say "starting PostgreSQL $version"
+    pg_ctlcluster --skip-systemctl-redirect "$version" main start >&2 || true
+    wait_for "PostgreSQL on $PG_HOST:$PG_PORT" 60 pg_isready -h "$PG_HOST" -p "$PG_PORT"
+  fi
+  # The tests connect as postgres without a password to database `test`.
+  if ! psql -h "$PG_HOST" -p "$PG_PORT" -U postgres -d test -Atqc 'SELECT 1' >/dev/null 2>&1; then
+    psql -h "$PG_HOST" -p "$PG_PORT" -U postgres -d postgres -qc 'CREATE DATABASE test' >&2 \
+      || die "cannot reach PostgreSQL as user postgres at $PG_HOST:$PG_PORT (trust auth expected)"
+  fi
+  export DATABASE_URL="${DATABASE_URL:-postgres://postgres@$PG_HOST:$PG_PORT/test}"
+  # Scenario databases of earlier runs.
+  psql -h "$PG_HOST" -p "$PG_PORT" -U postgres -d postgres -Atqc \
+    "SELECT datname FROM pg_database WHERE datname LIKE 'inbox\_t\_%'" 2>/dev/null |
+    while read -r db; do psql -h "$PG_HOST" -p "$PG_PORT" -U postgres -d postgres -qc "DROP DATABASE IF EXISTS $db" >/dev/null 2>&1 || true; done
+  say "PostgreSQL ready"
+}
