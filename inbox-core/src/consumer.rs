@@ -246,7 +246,8 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
             .settings
             .prefetch
             .unwrap_or_else(|| u16::try_from(inner.settings.concurrency * 2).unwrap_or(u16::MAX));
-        let subscription = Subscription::new(inner.source.clone(), inner.name.clone(), prefetch);
+        let subscription = Subscription::new(inner.source.clone(), inner.name.clone(), prefetch)
+            .with_dead_letter(inner.dead_letter_destination());
         let mut tasks: JoinSet<Result<(), ConsumerError>> = JoinSet::new();
         let mut fatal: Option<ConsumerError> = None;
         let mut reconnect = inner.settings.reconnect.delays();
@@ -431,6 +432,13 @@ impl Outcome {
 }
 
 impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
+    fn dead_letter_destination(&self) -> String {
+        match &self.settings.dead_letter_destination {
+            Some(d) => d.clone(),
+            None => format!("{}.dead-letter", self.source),
+        }
+    }
+
     async fn process(
         &self,
         delivery: Box<dyn Delivery>,
@@ -810,11 +818,9 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
             headers,
             key: None,
         };
-        let destination = match &self.settings.dead_letter_destination {
-            Some(d) => d.clone(),
-            None => format!("{}.dead-letter", self.source),
-        };
-        self.transport.publish(&destination, message).await
+        self.transport
+            .publish(&self.dead_letter_destination(), message)
+            .await
     }
 
     /// Acks; the token proves the inbox already holds the outcome. A lost ack is not an error for

@@ -118,6 +118,8 @@ pub struct Subscription {
     pub consumer: ConsumerName,
     /// How many unacknowledged deliveries the broker may hand this instance at once.
     pub prefetch: u16,
+    /// Where this consumer's dead letters go, so the transport can declare it up front.
+    pub dead_letter: Option<String>,
 }
 
 impl Subscription {
@@ -127,7 +129,14 @@ impl Subscription {
             source: source.into(),
             consumer,
             prefetch,
+            dead_letter: None,
         }
+    }
+
+    /// Sets the dead-letter destination.
+    pub fn with_dead_letter(mut self, destination: impl Into<String>) -> Self {
+        self.dead_letter = Some(destination.into());
+        self
     }
 }
 
@@ -142,6 +151,12 @@ pub trait Transport: Send + Sync + fmt::Debug {
     fn name(&self) -> &'static str;
     /// What this broker can do.
     fn capabilities(&self) -> Capabilities;
+    /// Makes sure that messages published to the subscription's source from now on are kept for
+    /// its consumer, even before it subscribes (declares queues, consumer groups).
+    async fn declare(&self, subscription: &Subscription) -> Result<(), TransportError> {
+        let _ = subscription;
+        Ok(())
+    }
     /// Starts consuming.
     async fn subscribe(
         &self,

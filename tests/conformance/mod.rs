@@ -4,6 +4,8 @@
 #![allow(dead_code)]
 
 pub mod memory;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
 pub mod services;
 pub mod stores;
 

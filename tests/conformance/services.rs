@@ -33,6 +33,7 @@ pub fn postgres_url() -> String {
 
 mod containers {
     use testcontainers_modules::postgres::Postgres;
+    use testcontainers_modules::rabbitmq::RabbitMq;
     use testcontainers_modules::testcontainers::runners::SyncRunner;
 
     /// Starts PostgreSQL in a container kept for the life of the test process.
@@ -48,4 +49,31 @@ mod containers {
         std::mem::forget(container);
         format!("postgres://postgres:postgres@127.0.0.1:{port}/postgres")
     }
+
+    /// Starts RabbitMQ in a container kept for the life of the test process.
+    pub fn rabbitmq() -> String {
+        let container = RabbitMq::default()
+            .start()
+            .expect("starting a RabbitMQ container with testcontainers");
+        let port = container
+            .get_host_port_ipv4(5672)
+            .expect("the RabbitMQ container's port");
+        std::mem::forget(container);
+        format!("amqp://guest:guest@127.0.0.1:{port}/%2f")
+    }
+}
+
+/// The AMQP URL for the tests.
+pub fn amqp_url() -> String {
+    static URL: OnceLock<String> = OnceLock::new();
+    URL.get_or_init(|| {
+        if let Ok(url) = std::env::var("AMQP_URL") {
+            return url;
+        }
+        if !docker_reachable() {
+            missing("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f");
+        }
+        containers::rabbitmq()
+    })
+    .clone()
 }

@@ -1,6 +1,663 @@
-//! The RabbitMQ transport of `inbox` (lapin).
+//! The RabbitMQ transport of `inbox`, on lapin.
 //!
-//! **Not implemented yet** — tracked by issue 3. This crate exists so that the facade's
-//! `rabbitmq` feature and the workspace layout are in place; it offers no API until the
-//! transport passes the conformance suite on a real RabbitMQ.
+//! Topology, declared on subscribe (durable, idempotent):
+//! - a source is a durable **fanout exchange** of that name;
+//! - each consumer has a durable queue `<source>.<consumer>` bound to it (classic, or quorum with
+//!   [`QueueType::Quorum`], whose `x-delivery-count` feeds the attempt limit), so every consumer
+//!   gets every message and the instances of one consumer compete;
+//! - a dead-letter destination is a fanout exchange with a durable queue of the same name.
+//!
+//! Consuming uses manual acks only, with `basic.qos` set before `basic.consume`. Publishing uses
+//! publisher confirms and the `mandatory` flag, so a message that no queue would keep is an error,
+//! not a silent loss. A message's id travels in the AMQP `message_id` property (an id too long for
+//! it, over 255 bytes, goes in the `message-id` header instead).
+//!
+//! A lost connection ends the delivery stream with an error; the consumer subscribes again, and
+//! this transport reconnects. Acks lapin reports as not delivered (a poisoned channel, an acker
+//! already used) are returned as [`TransportError::AckLost`], never as success.
 #![forbid(unsafe_code)]
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use async_trait::async_trait;
+use futures::StreamExt;
+use inbox_core::{
+    AckToken, Capabilities, DEFAULT_ID_HEADER, Delivery, DeliveryStream, Headers, OutgoingMessage,
+    Subscription, Transport, TransportError,
+};
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
+};
+use tokio::sync::Mutex;
+
+/// The queue type of consumer queues.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum QueueType {
+    /// Classic queues.
+    #[default]
+    Classic,
+    /// Quorum queues: replicated, and they count deliveries (`x-delivery-count`).
+    Quorum,
+}
+
+/// How the transport names and declares things.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct RabbitMqConfig {
+    /// The type of the consumer queues this transport declares.
+    pub queue_type: QueueType,
+}
+
+impl RabbitMqConfig {
+    /// Sets the queue type.
+    pub fn queue_type(mut self, queue_type: QueueType) -> Self {
+        self.queue_type = queue_type;
+        self
+    }
+}
+
+/// The queue a consumer reads: `<source>.<consumer>`.
+pub fn queue_name(source: &str, consumer: &str) -> String {
+    format!("{source}.{consumer}")
+}
+
+/// Connection state shared by subscriptions and publishes; replaced when the connection dies.
+#[derive(Default)]
+struct Link {
+    connection: Option<Arc<Connection>>,
+    publisher: Option<Channel>,
+    declared: HashSet<String>,
+}
+
+/// A RabbitMQ broker reached through an AMQP URL (`amqp://` or `amqps://`).
+pub struct RabbitMqTransport {
+    uri: String,
+    config: RabbitMqConfig,
+    link: Mutex<Link>,
+    unsettled: Arc<AtomicUsize>,
+}
+
+impl fmt::Debug for RabbitMqTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitMqTransport")
+            .field("uri", &redact(&self.uri))
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+/// The URL without its password, for logs and errors.
+pub fn redact(uri: &str) -> String {
+    match (uri.find("://"), uri.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => match uri[scheme + 3..at].split_once(':') {
+            Some((user, _)) => format!("{}{user}:***{}", &uri[..scheme + 3], &uri[at..]),
+            None => uri.to_owned(),
+        },
+        _ => uri.to_owned(),
+    }
+}
+
+fn short(value: &str) -> Result<ShortString, TransportError> {
+    ShortString::try_new(value).map_err(|e| TransportError::Config(format!("{value:?}: {e}")))
+}
+
+/// Maps a lapin error: refusals by the broker (missing or mismatched queues and exchanges,
+/// access) are permanent; everything else is a connection problem.
+fn broker_error(error: lapin::Error) -> TransportError {
+    if let lapin::ErrorKind::ProtocolError(amqp) = error.kind()
+        && let AMQPErrorKind::Soft(
+            AMQPSoftError::ACCESSREFUSED
+            | AMQPSoftError::NOTFOUND
+            | AMQPSoftError::PRECONDITIONFAILED,
+        ) = amqp.kind()
+    {
+        return TransportError::Refused(Box::new(error));
+    }
+    TransportError::Disconnected(Box::new(error))
+}
+
+impl RabbitMqTransport {
+    /// A transport for `uri` (for example `amqp://guest:guest@127.0.0.1:5672/%2f`). Connects
+    /// lazily, on the first subscribe or publish, and again after the connection is lost.
+    pub fn new(uri: impl Into<String>, config: RabbitMqConfig) -> Self {
+        Self {
+            uri: uri.into(),
+            config,
+            link: Mutex::new(Link::default()),
+            unsettled: Arc::default(),
+        }
+    }
+
+    /// Connects now, to fail early on a wrong URL or credentials.
+    pub async fn connect(
+        uri: impl Into<String>,
+        config: RabbitMqConfig,
+    ) -> Result<Self, TransportError> {
+        let transport = Self::new(uri, config);
+        transport.connection().await?;
+        Ok(transport)
+    }
+
+    /// Deliveries handed out by this transport and not yet acked or nacked.
+    pub fn unsettled(&self) -> usize {
+        self.unsettled.load(Ordering::SeqCst)
+    }
+
+    /// Declares the source exchange and the consumer's queue, so that messages published from now
+    /// on are kept for that consumer even before it subscribes.
+    pub async fn declare(&self, source: &str, consumer: &str) -> Result<(), TransportError> {
+        let connection = self.connection().await?;
+        let channel = connection.create_channel().await.map_err(broker_error)?;
+        self.declare_on(&channel, source, consumer).await?;
+        let _ = channel.close(200, "declared".into()).await;
+        Ok(())
+    }
+
+    /// Messages ready in a consumer's queue (not counting unacknowledged ones).
+    pub async fn ready(&self, source: &str, consumer: &str) -> Result<u32, TransportError> {
+        let connection = self.connection().await?;
+        let channel = connection.create_channel().await.map_err(broker_error)?;
+        let queue = channel
+            .queue_declare(
+                short(&queue_name(source, consumer))?,
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker_error)?;
+        let _ = channel.close(200, "inspected".into()).await;
+        Ok(queue.message_count())
+    }
+
+    /// Takes up to `max` messages from `queue` (acking them): for reading a dead-letter queue.
+    pub async fn take_messages(
+        &self,
+        queue: &str,
+        max: usize,
+    ) -> Result<Vec<OutgoingMessage>, TransportError> {
+        let connection = self.connection().await?;
+        let channel = connection.create_channel().await.map_err(broker_error)?;
+        let mut taken = Vec::new();
+        while taken.len() < max {
+            let Some(message) = channel
+                .basic_get(
+                    short(queue)?,
+                    lapin::options::BasicGetOptions { no_ack: true },
+                )
+                .await
+                .map_err(broker_error)?
+            else {
+                break;
+            };
+            let delivery = &message.delivery;
+            let headers =
+                from_field_table(&delivery.properties.headers().clone().unwrap_or_default());
+            taken.push(OutgoingMessage {
+                message_id: delivery
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .map(|id| id.as_str().to_owned()),
+                payload: delivery.data.clone().into(),
+                headers,
+                key: None,
+            });
+        }
+        let _ = channel.close(200, "taken".into()).await;
+        Ok(taken)
+    }
+
+    async fn connection(&self) -> Result<Arc<Connection>, TransportError> {
+        let mut link = self.link.lock().await;
+        if let Some(connection) = &link.connection
+            && connection.status().connected()
+        {
+            return Ok(Arc::clone(connection));
+        }
+        *link = Link::default();
+        let properties = ConnectionProperties::default().with_connection_name("inbox".into());
+        let connection = Connection::connect(&self.uri, properties)
+            .await
+            .map_err(|e| {
+                tracing::warn!(uri = %redact(&self.uri), error = %e, "cannot connect to RabbitMQ");
+                TransportError::Disconnected(Box::new(e))
+            })?;
+        tracing::info!(uri = %redact(&self.uri), "connected to RabbitMQ");
+        let connection = Arc::new(connection);
+        link.connection = Some(Arc::clone(&connection));
+        Ok(connection)
+    }
+
+    async fn declare_exchange(&self, channel: &Channel, name: &str) -> Result<(), TransportError> {
+        channel
+            .exchange_declare(
+                short(name)?,
+                ExchangeKind::Fanout,
+                ExchangeDeclareOptions {
+                    durable: true,
+                    ..ExchangeDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker_error)
+    }
+
+    async fn declare_queue(
+        &self,
+        channel: &Channel,
+        queue: &str,
+        exchange: &str,
+        quorum: bool,
+    ) -> Result<(), TransportError> {
+        let mut arguments = FieldTable::default();
+        if quorum {
+            arguments.insert(
+                "x-queue-type".into(),
+                AMQPValue::LongString("quorum".into()),
+            );
+        }
+        channel
+            .queue_declare(
+                short(queue)?,
+                QueueDeclareOptions {
+                    durable: true,
+                    ..QueueDeclareOptions::default()
+                },
+                arguments,
+            )
+            .await
+            .map_err(broker_error)?;
+        channel
+            .queue_bind(
+                short(queue)?,
+                short(exchange)?,
+                "".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker_error)
+    }
+
+    async fn declare_on(
+        &self,
+        channel: &Channel,
+        source: &str,
+        consumer: &str,
+    ) -> Result<(), TransportError> {
+        self.declare_exchange(channel, source).await?;
+        let quorum = self.config.queue_type == QueueType::Quorum;
+        self.declare_queue(channel, &queue_name(source, consumer), source, quorum)
+            .await
+    }
+
+    /// The confirming publisher channel, and whether `destination` was declared on it.
+    async fn publisher(&self) -> Result<Channel, TransportError> {
+        let connection = self.connection().await?;
+        let mut link = self.link.lock().await;
+        if let Some(channel) = &link.publisher
+            && channel.status().connected()
+        {
+            return Ok(channel.clone());
+        }
+        let channel = connection.create_channel().await.map_err(broker_error)?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(broker_error)?;
+        link.publisher = Some(channel.clone());
+        link.declared.clear();
+        Ok(channel)
+    }
+
+    async fn publish_once(
+        &self,
+        destination: &str,
+        message: &OutgoingMessage,
+    ) -> Result<(), TransportError> {
+        let channel = self.publisher().await?;
+        let needs_declare = !self.link.lock().await.declared.contains(destination);
+        if needs_declare {
+            self.declare_exchange(&channel, destination).await?;
+            self.link
+                .lock()
+                .await
+                .declared
+                .insert(destination.to_owned());
+        }
+        let mut headers = to_field_table(&message.headers);
+        let mut properties = BasicProperties::default().with_delivery_mode(2);
+        if let Some(id) = &message.message_id {
+            match ShortString::try_new(id.as_str()) {
+                Ok(id) => properties = properties.with_message_id(id),
+                Err(_) => {
+                    headers.insert(
+                        DEFAULT_ID_HEADER.into(),
+                        AMQPValue::LongString(id.as_bytes().into()),
+                    );
+                }
+            }
+        }
+        let properties = properties.with_headers(headers);
+        let confirm = channel
+            .basic_publish(
+                short(destination)?,
+                "".into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &message.payload,
+                properties,
+            )
+            .await
+            .map_err(broker_error)?
+            .await
+            .map_err(broker_error)?;
+        match confirm {
+            Confirmation::Ack(None) => Ok(()),
+            Confirmation::Ack(Some(_returned)) => Err(TransportError::Refused(
+                format!("no queue is bound to exchange {destination:?}: declare the consumer's queue before publishing").into(),
+            )),
+            Confirmation::Nack(_) => Err(TransportError::NotConfirmed(
+                format!("the broker nacked the publish to {destination:?}").into(),
+            )),
+            Confirmation::NotRequested => Err(TransportError::NotConfirmed("publisher confirms are off".into())),
+        }
+    }
+}
+
+fn to_field_table(headers: &Headers) -> FieldTable {
+    let mut table = FieldTable::default();
+    for (name, value) in headers.iter() {
+        if let Ok(name) = ShortString::try_new(name) {
+            table.insert(name, AMQPValue::LongString(value.into()));
+        }
+    }
+    table
+}
+
+fn from_field_table(table: &FieldTable) -> Headers {
+    table
+        .inner()
+        .iter()
+        .map(|(name, value)| (name.as_str().to_owned(), amqp_to_bytes(value)))
+        .collect()
+}
+
+fn amqp_to_bytes(value: &AMQPValue) -> Vec<u8> {
+    match value {
+        AMQPValue::LongString(s) => s.as_bytes().to_vec(),
+        AMQPValue::ShortString(s) => s.as_str().as_bytes().to_vec(),
+        AMQPValue::ByteArray(b) => b.as_slice().to_vec(),
+        AMQPValue::Boolean(b) => b.to_string().into_bytes(),
+        AMQPValue::ShortShortInt(n) => n.to_string().into_bytes(),
+        AMQPValue::ShortShortUInt(n) => n.to_string().into_bytes(),
+        AMQPValue::ShortInt(n) => n.to_string().into_bytes(),
+        AMQPValue::ShortUInt(n) => n.to_string().into_bytes(),
+        AMQPValue::LongInt(n) => n.to_string().into_bytes(),
+        AMQPValue::LongUInt(n) => n.to_string().into_bytes(),
+        AMQPValue::LongLongInt(n) => n.to_string().into_bytes(),
+        AMQPValue::Timestamp(n) => n.to_string().into_bytes(),
+        AMQPValue::Float(n) => n.to_string().into_bytes(),
+        AMQPValue::Double(n) => n.to_string().into_bytes(),
+        other => format!("{other:?}").into_bytes(),
+    }
+}
+
+fn amqp_to_u32(value: &AMQPValue) -> Option<u32> {
+    std::str::from_utf8(&amqp_to_bytes(value))
+        .ok()?
+        .parse()
+        .ok()
+}
+
+#[async_trait]
+impl Transport for RabbitMqTransport {
+    fn name(&self) -> &'static str {
+        "rabbitmq"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::basic().with_delivery_count(self.config.queue_type == QueueType::Quorum)
+    }
+
+    async fn declare(&self, subscription: &Subscription) -> Result<(), TransportError> {
+        RabbitMqTransport::declare(self, &subscription.source, subscription.consumer.as_str()).await
+    }
+
+    async fn subscribe(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<DeliveryStream, TransportError> {
+        let connection = self.connection().await?;
+        let channel = connection.create_channel().await.map_err(broker_error)?;
+        let source = &subscription.source;
+        let consumer = subscription.consumer.as_str();
+        self.declare_on(&channel, source, consumer).await?;
+        if let Some(dead_letter) = &subscription.dead_letter {
+            self.declare_exchange(&channel, dead_letter).await?;
+            self.declare_queue(&channel, dead_letter, dead_letter, false)
+                .await?;
+        }
+        // Prefetch must be set before consuming, or the broker may push the whole queue.
+        channel
+            .basic_qos(subscription.prefetch.max(1), BasicQosOptions::default())
+            .await
+            .map_err(broker_error)?;
+        let queue = queue_name(source, consumer);
+        let deliveries = channel
+            .basic_consume(
+                short(&queue)?,
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker_error)?;
+        tracing::debug!(
+            queue,
+            prefetch = subscription.prefetch,
+            "consuming from RabbitMQ"
+        );
+        let unsettled = Arc::clone(&self.unsettled);
+        let stream = deliveries.map(move |next| match next {
+            Ok(delivery) => Ok(
+                Box::new(RabbitDelivery::new(delivery, channel.clone(), &unsettled))
+                    as Box<dyn Delivery>,
+            ),
+            Err(e) => Err(broker_error(e)),
+        });
+        Ok(Box::pin(stream))
+    }
+
+    async fn publish(
+        &self,
+        destination: &str,
+        message: OutgoingMessage,
+    ) -> Result<(), TransportError> {
+        match self.publish_once(destination, &message).await {
+            Err(e) if e.is_transient() => {
+                // The channel or connection may have died since the last publish: one fresh try.
+                tracing::debug!(error = %e, "publish failed; retrying on a fresh channel");
+                self.publish_once(destination, &message).await
+            }
+            other => other,
+        }
+    }
+}
+
+/// A delivery from RabbitMQ. Dropped unsettled, it is nacked with requeue.
+pub struct RabbitDelivery {
+    inner: Option<lapin::message::Delivery>,
+    /// Keeps the channel open until the delivery is settled.
+    _channel: Channel,
+    headers: Headers,
+    delivery_count: Option<u32>,
+    unsettled: Arc<AtomicUsize>,
+}
+
+impl fmt::Debug for RabbitDelivery {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitDelivery")
+            .field("delivery_tag", &self.inner.as_ref().map(|d| d.delivery_tag))
+            .field(
+                "message_id",
+                &self
+                    .inner
+                    .as_ref()
+                    .and_then(|d| d.properties.message_id().clone()),
+            )
+            .field("redelivered", &self.redelivered())
+            .finish()
+    }
+}
+
+impl RabbitDelivery {
+    fn new(
+        delivery: lapin::message::Delivery,
+        channel: Channel,
+        unsettled: &Arc<AtomicUsize>,
+    ) -> Self {
+        let table = delivery.properties.headers().clone().unwrap_or_default();
+        let headers = from_field_table(&table);
+        // Quorum queues count earlier deliveries in x-delivery-count.
+        let delivery_count = match table.inner().get("x-delivery-count").and_then(amqp_to_u32) {
+            Some(earlier) => Some(earlier.saturating_add(1)),
+            None if !delivery.redelivered => Some(1),
+            None => None,
+        };
+        unsettled.fetch_add(1, Ordering::SeqCst);
+        Self {
+            inner: Some(delivery),
+            _channel: channel,
+            headers,
+            delivery_count,
+            unsettled: Arc::clone(unsettled),
+        }
+    }
+
+    fn take(&mut self) -> lapin::message::Delivery {
+        self.unsettled.fetch_sub(1, Ordering::SeqCst);
+        self.inner.take().expect("a delivery is settled once")
+    }
+}
+
+fn settled(result: lapin::Result<bool>, what: &str) -> Result<(), TransportError> {
+    match result {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(TransportError::AckLost(
+            format!("{what} not sent: the channel is closed or the delivery was already settled")
+                .into(),
+        )),
+        Err(e) => Err(TransportError::AckLost(Box::new(e))),
+    }
+}
+
+#[async_trait]
+impl Delivery for RabbitDelivery {
+    fn payload(&self) -> &[u8] {
+        self.inner.as_ref().map_or(&[], |d| d.data.as_slice())
+    }
+
+    fn headers(&self) -> &Headers {
+        &self.headers
+    }
+
+    fn broker_message_id(&self) -> Option<&[u8]> {
+        self.inner
+            .as_ref()?
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|id| id.as_str().as_bytes())
+    }
+
+    fn redelivered(&self) -> bool {
+        self.inner.as_ref().is_some_and(|d| d.redelivered)
+    }
+
+    fn delivery_count(&self) -> Option<u32> {
+        self.delivery_count
+    }
+
+    async fn ack(mut self: Box<Self>, _token: AckToken) -> Result<(), TransportError> {
+        let delivery = self.take();
+        settled(delivery.acker.ack(BasicAckOptions::default()).await, "ack")
+    }
+
+    async fn nack(mut self: Box<Self>, requeue: bool) -> Result<(), TransportError> {
+        let delivery = self.take();
+        settled(
+            delivery
+                .acker
+                .nack(BasicNackOptions {
+                    requeue,
+                    multiple: false,
+                })
+                .await,
+            "nack",
+        )
+    }
+}
+
+impl Drop for RabbitDelivery {
+    fn drop(&mut self) {
+        if self.inner.is_none() {
+            return;
+        }
+        let delivery = self.take();
+        // Hand it back at once rather than when the channel closes.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = delivery
+                    .acker
+                    .nack(BasicNackOptions {
+                        requeue: true,
+                        multiple: false,
+                    })
+                    .await;
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use lapin::types::LongString;
+
+    use super::*;
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(
+            redact("amqp://guest:secret@host:5672/%2f"),
+            "amqp://guest:***@host:5672/%2f"
+        );
+        assert_eq!(redact("amqp://host:5672"), "amqp://host:5672");
+    }
+
+    #[test]
+    fn header_values_become_bytes() {
+        assert_eq!(amqp_to_bytes(&AMQPValue::LongLongInt(7)), b"7");
+        assert_eq!(
+            amqp_to_bytes(&AMQPValue::LongString(LongString::from("x"))),
+            b"x"
+        );
+        assert_eq!(amqp_to_u32(&AMQPValue::LongLongInt(3)), Some(3));
+    }
+}

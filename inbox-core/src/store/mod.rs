@@ -194,6 +194,7 @@ pub fn release_clean<C: sqlx::Connection>(conn: &mut C) -> bool {
 }
 
 /// Cuts an error text to [`MAX_ERROR_CHARS`].
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub(crate) fn truncate_error(error: &str) -> &str {
     match error.char_indices().nth(MAX_ERROR_CHARS) {
         Some((at, _)) => &error[..at],

@@ -1,0 +1,100 @@
+//! RabbitMQ as a conformance-suite broker: the server of `AMQP_URL`.
+
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use inbox::memory::Faults;
+use inbox::rabbitmq::{RabbitMqConfig, RabbitMqTransport, queue_name};
+use inbox::{ConsumerName, OutgoingMessage, Transport};
+
+use super::{BrokerFactory, TestBroker, services};
+
+/// A transport per scenario (names are unique per scenario, so they do not meet).
+pub struct RabbitMq {
+    pub config: RabbitMqConfig,
+}
+
+pub struct RabbitTestBroker {
+    pub transport: Arc<RabbitMqTransport>,
+    taken: Mutex<Vec<(String, OutgoingMessage)>>,
+}
+
+#[async_trait]
+impl TestBroker for RabbitTestBroker {
+    fn transport(&self) -> Arc<dyn Transport> {
+        self.transport.clone()
+    }
+    async fn prepare(&self, source: &str, consumers: &[&ConsumerName]) {
+        for consumer in consumers {
+            self.transport
+                .declare(source, consumer.as_str())
+                .await
+                .expect("declare the consumer queue");
+        }
+    }
+    async fn settled(&self, source: &str, consumers: &[&ConsumerName]) -> Result<(), String> {
+        let mut left = Vec::new();
+        for consumer in consumers {
+            let ready = self
+                .transport
+                .ready(source, consumer.as_str())
+                .await
+                .map_err(|e| e.to_string())?;
+            if ready > 0 {
+                left.push(format!(
+                    "{}: {ready} ready",
+                    queue_name(source, consumer.as_str())
+                ));
+            }
+        }
+        match self.transport.unsettled() {
+            0 => {}
+            n => left.push(format!("{n} deliveries unacked")),
+        }
+        if left.is_empty() {
+            Ok(())
+        } else {
+            Err(left.join("; "))
+        }
+    }
+    async fn published(&self, destination: &str) -> Vec<OutgoingMessage> {
+        // Dead-letter destinations have a queue of their own name; take what arrived since.
+        let new = self
+            .transport
+            .take_messages(destination, 10_000)
+            .await
+            .expect("read the queue");
+        let mut taken = self.taken.lock().unwrap();
+        taken.extend(new.into_iter().map(|m| (destination.to_owned(), m)));
+        taken
+            .iter()
+            .filter(|(d, _)| d == destination)
+            .map(|(_, m)| m.clone())
+            .collect()
+    }
+}
+
+#[async_trait]
+impl BrokerFactory for RabbitMq {
+    fn name(&self) -> &'static str {
+        "rabbitmq"
+    }
+    fn injects_faults(&self) -> bool {
+        false
+    }
+    async fn start(&self, _faults: Faults) -> Box<dyn TestBroker> {
+        Box::new(self.start_rabbit().await)
+    }
+}
+
+impl RabbitMq {
+    pub async fn start_rabbit(&self) -> RabbitTestBroker {
+        let transport = RabbitMqTransport::connect(services::amqp_url(), self.config.clone())
+            .await
+            .expect("connect to RabbitMQ at AMQP_URL (scripts/test starts it; see the README)");
+        RabbitTestBroker {
+            transport: Arc::new(transport),
+            taken: Mutex::default(),
+        }
+    }
+}
