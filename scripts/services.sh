@@ -49,3 +49,29 @@ ensure_postgres() {
     while read -r db; do psql -h "$PG_HOST" -p "$PG_PORT" -U postgres -d postgres -qc "DROP DATABASE IF EXISTS $db" >/dev/null 2>&1 || true; done
   say "PostgreSQL ready"
 }
+
+AMQP_HOST=127.0.0.1
+AMQP_PORT=5672
+
+amqp_port_open() { (exec 3<>"/dev/tcp/$AMQP_HOST/$AMQP_PORT") 2>/dev/null; }
+
+ensure_rabbitmq() {
+  if ! amqp_port_open; then
+    if ! command -v rabbitmq-server >/dev/null; then
+      apt_install rabbitmq-server
+    fi
+    say "starting RabbitMQ"
+    rabbitmq-server -detached >&2 || true
+    wait_for "RabbitMQ on $AMQP_HOST:$AMQP_PORT" 120 amqp_port_open
+  fi
+  wait_for "RabbitMQ to answer rabbitmqctl" 120 rabbitmqctl -q status
+  # rabbitmqadmin (a client other than ours, used by the tests) talks to the management plugin.
+  if ! rabbitmqadmin -q list vhosts >/dev/null 2>&1; then
+    if ! command -v rabbitmqadmin >/dev/null; then apt_install rabbitmq-server; fi
+    say "enabling the RabbitMQ management plugin"
+    rabbitmq-plugins enable rabbitmq_management >&2
+    wait_for "the RabbitMQ management API" 60 rabbitmqadmin -q list vhosts
+  fi
+  export AMQP_URL="${AMQP_URL:-amqp://guest:guest@$AMQP_HOST:$AMQP_PORT/%2f}"
+  say "RabbitMQ ready"
+}

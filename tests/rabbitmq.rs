@@ -1,23 +1,323 @@
 //! The conformance suite on a real RabbitMQ (`AMQP_URL`) with PostgreSQL, plus what only a real
-//! server can show: the server closing every connection mid-stream.
+//! server can show: the server force-closing the connections mid-stream, and messages published
+//! by another client (`rabbitmqadmin`) handled exactly once by the demo's consumers.
 #![cfg(feature = "rabbitmq")]
 
 mod conformance;
 
+use std::sync::Arc;
+
 use conformance::rabbitmq::RabbitMq;
-use inbox::rabbitmq::{QueueType, RabbitMqConfig};
+use conformance::stores::Postgres;
+use conformance::{Running, Scenario, Script, eventually};
+use inbox::memory::Faults;
+use inbox::rabbitmq::QueueType;
 
 conformance_suite!(
     rabbitmq_postgres,
-    RabbitMq {
-        config: RabbitMqConfig::default()
-    },
+    RabbitMq::new(QueueType::Classic),
     async { conformance::stores::Postgres }
 );
 conformance_suite!(
     rabbitmq_quorum_postgres,
-    RabbitMq {
-        config: RabbitMqConfig::default().queue_type(QueueType::Quorum)
-    },
+    RabbitMq::new(QueueType::Quorum),
     async { conformance::stores::Postgres }
 );
+
+async fn rabbitmqctl(args: &[&str]) -> String {
+    let output = tokio::process::Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .await
+        .expect(
+            "rabbitmqctl runs (scripts/test needs the RabbitMQ server's tools on this machine)",
+        );
+    let text = String::from_utf8_lossy(&output.stdout).into_owned()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() || text.contains("already exists"),
+        "rabbitmqctl {args:?}: {text}"
+    );
+    text
+}
+
+/// A vhost of its own, so that closing all its connections touches no other test.
+async fn private_vhost(name: &str) -> String {
+    rabbitmqctl(&["add_vhost", name]).await;
+    rabbitmqctl(&["set_permissions", "-p", name, "guest", ".*", ".*", ".*"]).await;
+    let base = conformance::services::amqp_url();
+    let authority_end = base[base.find("://").unwrap() + 3..]
+        .find('/')
+        .map(|i| i + base.find("://").unwrap() + 3);
+    let root = authority_end.map_or(base.as_str(), |end| &base[..end]);
+    format!("{root}/{name}")
+}
+
+/// `rabbitmqctl close_all_connections` twice while two instances consume: they notice, reconnect
+/// with backoff, and every message still has exactly one effect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn server_closes_all_connections_mid_stream() {
+    conformance::init_tracing();
+    let vhost = "inbox-close-test";
+    let brokers = RabbitMq {
+        url: Some(private_vhost(vhost).await),
+        ..RabbitMq::new(QueueType::Classic)
+    };
+    let db = Arc::new(Postgres);
+    let s = Scenario::new(&brokers, &db, Faults::none()).await;
+    let name = s.name("closed");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = (0..300).map(|i| s.id(i)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+        if i % 5 == 0 {
+            s.publish(id, i).await;
+        }
+    }
+    let script = Arc::new(Script {
+        // Handlers that take a little while, so that some are in flight at each close.
+        hook: Some(Arc::new(|_, _| {
+            Box::pin(async {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                Ok(())
+            })
+        })),
+        ..Script::default()
+    });
+    let consumer = s.consumer(&name, &script);
+    let running = Running::start(&consumer, 2);
+    for target in [60, 150] {
+        eventually("progress before the close", || async {
+            let total: i64 = s.effects().await.values().sum();
+            if total >= target {
+                Ok(())
+            } else {
+                Err(format!("{total} < {target}"))
+            }
+        })
+        .await;
+        let handled: i64 = s.effects().await.values().sum();
+        let said = rabbitmqctl(&[
+            "close_all_connections",
+            "-p",
+            vhost,
+            "inbox test: server-side close",
+        ])
+        .await;
+        println!("closed at {handled} effects: {}", said.trim());
+        let before = s.broker.connections_opened();
+        eventually("the transport reconnects", || async {
+            match s.broker.connections_opened() {
+                n if n > before => Ok(()),
+                n => Err(format!("{n} connections opened")),
+            }
+        })
+        .await;
+    }
+    s.wait_for(&[&name], ids.len()).await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+    let report = consumer.report();
+    assert_eq!(report.processed, ids.len() as u64, "{report:?}");
+    assert!(report.duplicates_discarded >= 60, "{report:?}");
+    assert!(
+        s.broker.connections_opened() >= 3,
+        "reconnected after each close"
+    );
+    assert!(
+        report.ack_failures > 0 && report.deliveries > 360,
+        "in-flight messages lost their acks and came back: {report:?}"
+    );
+    println!("server-side close: {report:?}");
+}
+
+/// An ack on a delivery whose connection the server closed is reported as lost, never as
+/// success; the message comes back to the next subscriber.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_after_the_connection_died_is_reported_lost() {
+    use futures::StreamExt;
+    use inbox::{ConsumerName, OutgoingMessage, Subscription, Transport, TransportError};
+
+    let vhost = "inbox-ack-lost-test";
+    let brokers = RabbitMq {
+        url: Some(private_vhost(vhost).await),
+        ..RabbitMq::new(QueueType::Classic)
+    };
+    let broker = brokers.start_rabbit().await;
+    let transport = broker.transport.clone();
+    let source = format!("ack-lost.{}", uuid::Uuid::new_v4().simple());
+    let consumer = ConsumerName::new("c").unwrap();
+    transport.declare(&source, "c").await.unwrap();
+    transport
+        .publish(&source, OutgoingMessage::new("m-1", "x"))
+        .await
+        .unwrap();
+    let subscription = Subscription::new(source.clone(), consumer.clone(), 1);
+    let mut stream = transport.subscribe(&subscription).await.unwrap();
+    let delivery = stream.next().await.unwrap().unwrap();
+    assert_eq!(delivery.broker_message_id(), Some(&b"m-1"[..]));
+
+    rabbitmqctl(&["close_all_connections", "-p", vhost, "inbox test: ack lost"]).await;
+    // The stream learns of it first.
+    let ended = tokio::time::timeout(conformance::DEADLINE, stream.next())
+        .await
+        .expect("the stream notices");
+    assert!(matches!(ended, None | Some(Err(_))), "{ended:?}");
+    let acked = delivery.ack(inbox::AckToken::for_transport_tests()).await;
+    assert!(
+        matches!(acked, Err(TransportError::AckLost(_))),
+        "{acked:?}"
+    );
+
+    let mut again = transport.subscribe(&subscription).await.unwrap();
+    let redelivered = again.next().await.unwrap().unwrap();
+    assert_eq!(redelivered.broker_message_id(), Some(&b"m-1"[..]));
+    assert!(redelivered.redelivered());
+    redelivered.nack(false).await.unwrap();
+}
+
+/// The demo's consumers, as a separate process, handle messages that `rabbitmqadmin` (not our
+/// code) published — duplicates included — exactly once, and drain on SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_clients_messages_are_handled_once_by_the_demo() {
+    use inbox::rabbitmq::RabbitMqTransport;
+
+    let url = Postgres::fresh_url().await;
+    let source = format!("parcels-{}", uuid::Uuid::new_v4().simple());
+    let demo = conformance::demo_binary();
+    let child = tokio::process::Command::new(&demo)
+        .args([
+            "consume",
+            "--transport",
+            "rabbitmq",
+            "--database",
+            &url,
+            "--source",
+            &source,
+        ])
+        .env("AMQP_URL", conformance::services::amqp_url())
+        .env("RUST_LOG", "warn")
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {}: {e}", demo.display()));
+
+    let transport =
+        RabbitMqTransport::connect(conformance::services::amqp_url(), Default::default())
+            .await
+            .unwrap();
+    eventually("the demo declared its queues", || async {
+        for consumer in ["notification", "carrier-assignment"] {
+            transport
+                .ready(&source, consumer)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    })
+    .await;
+
+    let (events, duplicated) = (20, 5);
+    for n in 0..events {
+        let payload = format!(
+            r#"{{"parcel_id":"{}","tracking_number":"TRK-ADMIN-{n}","destination":"Oslo"}}"#,
+            uuid::Uuid::new_v4()
+        );
+        let properties = format!(r#"{{"message_id":"admin-{source}-{n}","delivery_mode":2}}"#);
+        for _ in 0..if n < duplicated { 2 } else { 1 } {
+            let published = tokio::process::Command::new("rabbitmqadmin")
+                .args([
+                    "publish",
+                    &format!("exchange={source}"),
+                    "routing_key=",
+                    &format!("payload={payload}"),
+                    &format!("properties={properties}"),
+                ])
+                .output()
+                .await
+                .expect("rabbitmqadmin runs (scripts/test enables the management plugin)");
+            assert!(
+                published.status.success(),
+                "rabbitmqadmin publish: {}",
+                String::from_utf8_lossy(&published.stderr)
+            );
+        }
+    }
+
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    eventually("both effects of every event", || async {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT (SELECT count(*) FROM notifications) + (SELECT count(*) FROM carrier_bookings)",
+        )
+        .fetch_one(&pool)
+        .await
+        .map_err(|e| e.to_string())?;
+        if n >= 2 * events {
+            Ok(())
+        } else {
+            Err(format!("{n} effect rows"))
+        }
+    })
+    .await;
+    eventually("the duplicates settled", || async {
+        let mut left = 0;
+        for consumer in ["notification", "carrier-assignment"] {
+            left += transport
+                .ready(&source, consumer)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        if left == 0 {
+            Ok(())
+        } else {
+            Err(format!("{left} ready"))
+        }
+    })
+    .await;
+
+    let pid = child.id().expect("running");
+    let killed = tokio::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .await
+        .unwrap();
+    assert!(killed.success());
+    let output = tokio::time::timeout(conformance::DEADLINE, child.wait_with_output())
+        .await
+        .expect("the demo drains and exits after SIGTERM")
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "the demo exits 0 after SIGTERM: {stderr}"
+    );
+    println!("{stderr}");
+    for consumer in ["notification", "carrier-assignment"] {
+        let line = stderr
+            .lines()
+            .find(|l| l.starts_with(&format!("{consumer}:")))
+            .expect("a summary line");
+        assert!(line.contains(&format!("processed {events} ")), "{line}");
+        assert!(
+            line.contains(&format!("duplicates {duplicated} ")),
+            "{line}"
+        );
+    }
+
+    let report = tokio::process::Command::new(&demo)
+        .args([
+            "report",
+            "--database",
+            &url,
+            "--expect",
+            &events.to_string(),
+        ])
+        .output()
+        .await
+        .unwrap();
+    println!("{}", String::from_utf8_lossy(&report.stdout));
+    assert!(
+        report.status.success(),
+        "every parcel: one notification, one booking"
+    );
+}

@@ -231,7 +231,7 @@ impl Report {
     pub fn table(&self) -> String {
         let mut out = String::new();
         let mut line =
-            |label: &str, value: String| out.push_str(&format!("{label:<40}{value:>10}\n"));
+            |label: &str, value: String| out.push_str(&format!("{label:<48}{value:>12}\n"));
         line("notifications", self.notifications.to_string());
         line("carrier bookings", self.bookings.to_string());
         line("parcels seen", self.parcels_seen.to_string());

@@ -152,11 +152,22 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
     }
 }
 
+/// The broker to use. RabbitMQ reads `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`).
 fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
     match kind {
         TransportKind::Memory => Ok(Arc::new(MemoryBroker::new())),
+        #[cfg(feature = "rabbitmq")]
         TransportKind::Rabbitmq => {
-            Err("the RabbitMQ transport is not available yet (issue 3)".into())
+            let url = std::env::var("AMQP_URL")
+                .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+            Ok(Arc::new(inbox::rabbitmq::RabbitMqTransport::new(
+                url,
+                Default::default(),
+            )))
+        }
+        #[cfg(not(feature = "rabbitmq"))]
+        TransportKind::Rabbitmq => {
+            Err("this build has no RabbitMQ transport: run with --features rabbitmq".into())
         }
         TransportKind::Kafka => Err("the Kafka transport is not available yet (issue 4)".into()),
     }
@@ -319,6 +330,12 @@ async fn consume(args: ConsumeArgs) -> Result<ExitCode, Error> {
 
 async fn publish(args: PublishArgs) -> Result<ExitCode, Error> {
     let transport = transport(args.transport)?;
+    // Queues (or groups) first, so that nothing published before the consumers start is lost.
+    for name in consumer_names(Which::Both) {
+        let subscription =
+            inbox::Subscription::new(args.source.clone(), ConsumerName::new(name)?, 1);
+        transport.declare(&subscription).await?;
+    }
     let published =
         domain::publish_events(&*transport, &args.source, args.count, args.duplicates, 7).await?;
     println!("published {} messages ({} events)", published, args.count);

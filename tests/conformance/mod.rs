@@ -41,6 +41,10 @@ pub trait TestBroker: Send + Sync {
     async fn settled(&self, source: &str, consumers: &[&ConsumerName]) -> Result<(), String>;
     /// Everything published to `destination` so far.
     async fn published(&self, destination: &str) -> Vec<OutgoingMessage>;
+    /// Broker connections opened so far (more than one: the transport reconnected).
+    fn connections_opened(&self) -> usize {
+        1
+    }
 }
 
 /// Makes a fresh broker per scenario.
@@ -52,6 +56,32 @@ pub trait BrokerFactory: Send + Sync {
     fn injects_faults(&self) -> bool;
     /// A broker; `faults` where supported.
     async fn start(&self, faults: Faults) -> Box<dyn TestBroker>;
+}
+
+/// The demo binary, built by cargo next to the test binaries (`target/<profile>/examples`).
+pub fn demo_binary() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>/deps");
+    let demo = profile_dir.join("examples").join("parcel_tracker");
+    assert!(
+        demo.exists(),
+        "{} is missing: build it with cargo build --examples --all-features",
+        demo.display()
+    );
+    demo
+}
+
+/// Logs to the test output, filtered by `TEST_LOG` (for example `TEST_LOG=inbox_core=debug`).
+pub fn init_tracing() {
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_env("TEST_LOG").unwrap_or_else(|_| "off".into());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_test_writer()
+        .try_init();
 }
 
 /// Polls `check` until it returns `Ok`, failing with its last message at the deadline.
@@ -1047,9 +1077,7 @@ macro_rules! conformance_suite {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $scenario() {
-                let _ = tracing_subscriber::fmt().with_env_filter(
-                    tracing_subscriber::EnvFilter::try_from_env("TEST_LOG").unwrap_or_else(|_| "off".into()),
-                ).with_test_writer().try_init();
+                $crate::conformance::init_tracing();
                 let db = std::sync::Arc::new($db.await);
                 $crate::conformance::$scenario(&$brokers, &db).await;
             }

@@ -4,7 +4,7 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use inbox::memory::Faults;
-use inbox::rabbitmq::{RabbitMqConfig, RabbitMqTransport, queue_name};
+use inbox::rabbitmq::{QueueType, RabbitMqConfig, RabbitMqTransport, queue_name};
 use inbox::{ConsumerName, OutgoingMessage, Transport};
 
 use super::{BrokerFactory, TestBroker, services};
@@ -12,6 +12,21 @@ use super::{BrokerFactory, TestBroker, services};
 /// A transport per scenario (names are unique per scenario, so they do not meet).
 pub struct RabbitMq {
     pub config: RabbitMqConfig,
+    /// Another URL than `AMQP_URL` (a vhost of its own).
+    pub url: Option<String>,
+}
+
+impl RabbitMq {
+    /// Classic or quorum queues on `AMQP_URL`. Scenario queues expire 10 minutes after their
+    /// last use, so test runs leave nothing behind.
+    pub fn new(queue_type: QueueType) -> Self {
+        Self {
+            config: RabbitMqConfig::default()
+                .queue_type(queue_type)
+                .queue_expires(std::time::Duration::from_secs(600)),
+            url: None,
+        }
+    }
 }
 
 pub struct RabbitTestBroker {
@@ -57,6 +72,9 @@ impl TestBroker for RabbitTestBroker {
             Err(left.join("; "))
         }
     }
+    fn connections_opened(&self) -> usize {
+        self.transport.connections_opened()
+    }
     async fn published(&self, destination: &str) -> Vec<OutgoingMessage> {
         // Dead-letter destinations have a queue of their own name; take what arrived since.
         let new = self
@@ -89,7 +107,8 @@ impl BrokerFactory for RabbitMq {
 
 impl RabbitMq {
     pub async fn start_rabbit(&self) -> RabbitTestBroker {
-        let transport = RabbitMqTransport::connect(services::amqp_url(), self.config.clone())
+        let url = self.url.clone().unwrap_or_else(services::amqp_url);
+        let transport = RabbitMqTransport::connect(url, self.config.clone())
             .await
             .expect("connect to RabbitMQ at AMQP_URL (scripts/test starts it; see the README)");
         RabbitTestBroker {

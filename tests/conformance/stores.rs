@@ -176,7 +176,8 @@ impl TestDb for Sqlite {
 pub struct Postgres;
 
 impl Postgres {
-    async fn fresh_url() -> String {
+    /// The URL of a new, empty database on the test server.
+    pub async fn fresh_url() -> String {
         let base = services::postgres_url();
         let name = format!("inbox_t_{}", uuid::Uuid::new_v4().simple());
         let mut admin = sqlx::PgConnection::connect(&base).await.expect(

@@ -51,17 +51,44 @@ pub enum QueueType {
 }
 
 /// How the transport names and declares things.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RabbitMqConfig {
     /// The type of the consumer queues this transport declares.
     pub queue_type: QueueType,
+    /// The connection name the broker shows (management UI, `rabbitmqctl list_connections`).
+    pub connection_name: String,
+    /// Delete declared queues after they have been unused this long (`x-expires`); for
+    /// short-lived consumers and tests. `None`: keep them.
+    pub queue_expires: Option<std::time::Duration>,
+}
+
+impl Default for RabbitMqConfig {
+    fn default() -> Self {
+        Self {
+            queue_type: QueueType::Classic,
+            connection_name: "inbox".to_owned(),
+            queue_expires: None,
+        }
+    }
 }
 
 impl RabbitMqConfig {
     /// Sets the queue type.
     pub fn queue_type(mut self, queue_type: QueueType) -> Self {
         self.queue_type = queue_type;
+        self
+    }
+
+    /// Sets the connection name.
+    pub fn connection_name(mut self, name: impl Into<String>) -> Self {
+        self.connection_name = name.into();
+        self
+    }
+
+    /// Sets `queue_expires`.
+    pub fn queue_expires(mut self, after: std::time::Duration) -> Self {
+        self.queue_expires = Some(after);
         self
     }
 }
@@ -85,6 +112,7 @@ pub struct RabbitMqTransport {
     config: RabbitMqConfig,
     link: Mutex<Link>,
     unsettled: Arc<AtomicUsize>,
+    connections: AtomicUsize,
 }
 
 impl fmt::Debug for RabbitMqTransport {
@@ -135,6 +163,7 @@ impl RabbitMqTransport {
             config,
             link: Mutex::new(Link::default()),
             unsettled: Arc::default(),
+            connections: AtomicUsize::new(0),
         }
     }
 
@@ -146,6 +175,11 @@ impl RabbitMqTransport {
         let transport = Self::new(uri, config);
         transport.connection().await?;
         Ok(transport)
+    }
+
+    /// Connections opened so far (more than one means it reconnected).
+    pub fn connections_opened(&self) -> usize {
+        self.connections.load(Ordering::SeqCst)
     }
 
     /// Deliveries handed out by this transport and not yet acked or nacked.
@@ -228,13 +262,15 @@ impl RabbitMqTransport {
             return Ok(Arc::clone(connection));
         }
         *link = Link::default();
-        let properties = ConnectionProperties::default().with_connection_name("inbox".into());
+        let properties = ConnectionProperties::default()
+            .with_connection_name(self.config.connection_name.as_str().into());
         let connection = Connection::connect(&self.uri, properties)
             .await
             .map_err(|e| {
                 tracing::warn!(uri = %redact(&self.uri), error = %e, "cannot connect to RabbitMQ");
                 TransportError::Disconnected(Box::new(e))
             })?;
+        self.connections.fetch_add(1, Ordering::SeqCst);
         tracing::info!(uri = %redact(&self.uri), "connected to RabbitMQ");
         let connection = Arc::new(connection);
         link.connection = Some(Arc::clone(&connection));
