@@ -7,10 +7,11 @@ mod conformance;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
+use conformance::memory::Existing;
 use conformance::stores::Sqlite;
-use conformance::{BrokerFactory, Running, Scenario, Script, TestBroker, TestDb};
+use conformance::{Running, Scenario, Script, TestDb};
 use inbox::memory::{AckObserver, Faults, MemoryBroker};
-use inbox::{ConsumerName, OutgoingMessage, SqliteStore, Transport};
+use inbox::{ConsumerName, SqliteStore};
 use proptest::prelude::*;
 
 /// Checks, at every ack, that the acked message's inbox row is committed as processed or dead.
@@ -36,54 +37,6 @@ impl AckObserver for CommittedBeforeAck {
     }
 }
 
-struct Prepared(MemoryBroker);
-
-#[async_trait]
-impl TestBroker for Prepared {
-    fn transport(&self) -> Arc<dyn Transport> {
-        Arc::new(self.0.clone())
-    }
-    async fn prepare(&self, source: &str, consumers: &[&ConsumerName]) {
-        for c in consumers {
-            self.0.declare_group(source, c.as_str());
-        }
-    }
-    async fn settled(&self, source: &str, consumers: &[&ConsumerName]) -> Result<(), String> {
-        for c in consumers {
-            let backlog = self.0.backlog(source, c.as_str());
-            if backlog != (0, 0) {
-                return Err(format!("{c}: {backlog:?}"));
-            }
-        }
-        Ok(())
-    }
-    async fn published(&self, destination: &str) -> Vec<OutgoingMessage> {
-        self.0.messages(destination)
-    }
-}
-
-/// Hands out one prepared broker.
-struct One(Mutex<Option<MemoryBroker>>);
-
-#[async_trait]
-impl BrokerFactory for One {
-    fn name(&self) -> &'static str {
-        "memory"
-    }
-    fn injects_faults(&self) -> bool {
-        true
-    }
-    async fn start(&self, _faults: Faults) -> Box<dyn TestBroker> {
-        Box::new(Prepared(
-            self.0
-                .lock()
-                .unwrap()
-                .take()
-                .expect("one scenario per broker"),
-        ))
-    }
-}
-
 #[derive(Debug, Clone)]
 struct Schedule {
     seed: u64,
@@ -96,38 +49,19 @@ struct Schedule {
     fail_first: u32,
 }
 
-fn schedules() -> impl Strategy<Value = Schedule> {
-    (
-        any::<u64>(),
-        0.0..0.6f64,
-        0.0..0.6f64,
-        0.0..0.6f64,
-        0.0..1.0f64,
-        1usize..40,
-        1usize..4,
-        0u32..3,
-    )
-        .prop_map(
-            |(
-                seed,
-                duplicate_publish,
-                lose_ack,
-                concurrent_copy,
-                reorder,
-                messages,
-                instances,
-                fail_first,
-            )| Schedule {
-                seed,
-                duplicate_publish,
-                lose_ack,
-                concurrent_copy,
-                reorder,
-                messages,
-                instances,
-                fail_first,
-            },
-        )
+prop_compose! {
+    fn schedules()(
+        seed in any::<u64>(),
+        duplicate_publish in 0.0..0.6f64,
+        lose_ack in 0.0..0.6f64,
+        concurrent_copy in 0.0..0.6f64,
+        reorder in 0.0..1.0f64,
+        messages in 1usize..40,
+        instances in 1usize..4,
+        fail_first in 0u32..3,
+    ) -> Schedule {
+        Schedule { seed, duplicate_publish, lose_ack, concurrent_copy, reorder, messages, instances, fail_first }
+    }
 }
 
 async fn run(schedule: Schedule) {
@@ -138,7 +72,12 @@ async fn run(schedule: Schedule) {
         .reorder(schedule.reorder);
     let broker = MemoryBroker::with_faults(faults);
     let db = Arc::new(Sqlite);
-    let s = Scenario::new(&One(Mutex::new(Some(broker.clone()))), &db, Faults::none()).await;
+    let s = Scenario::new(
+        &Existing(Mutex::new(Some(broker.clone()))),
+        &db,
+        Faults::none(),
+    )
+    .await;
     let name = s.name("prop");
     let observer = Arc::new(CommittedBeforeAck {
         store: s.store.clone(),

@@ -87,15 +87,7 @@ async fn server_closes_all_connections_mid_stream() {
     let consumer = s.consumer(&name, &script);
     let running = Running::start(&consumer, 2);
     for target in [60, 150] {
-        eventually("progress before the close", || async {
-            let total: i64 = s.effects().await.values().sum();
-            if total >= target {
-                Ok(())
-            } else {
-                Err(format!("{total} < {target}"))
-            }
-        })
-        .await;
+        s.wait_for_effects(target).await;
         let handled: i64 = s.effects().await.values().sum();
         let said = rabbitmqctl(&[
             "close_all_connections",

@@ -1,6 +1,6 @@
 //! The in-memory broker as the suite's reference broker factory.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use inbox::memory::{Faults, MemoryBroker};
@@ -10,6 +10,28 @@ use super::{BrokerFactory, TestBroker};
 
 /// A fresh in-process broker per scenario, honouring injected faults.
 pub struct Memory;
+
+/// Hands out one broker made by the test itself (to install an observer on it first).
+pub struct Existing(pub Mutex<Option<MemoryBroker>>);
+
+#[async_trait]
+impl BrokerFactory for Existing {
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+    fn injects_faults(&self) -> bool {
+        true
+    }
+    async fn start(&self, _faults: Faults) -> Box<dyn TestBroker> {
+        let broker = self
+            .0
+            .lock()
+            .unwrap()
+            .take()
+            .expect("one scenario per broker");
+        Box::new(MemoryTestBroker(broker))
+    }
+}
 
 struct MemoryTestBroker(MemoryBroker);
 

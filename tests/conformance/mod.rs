@@ -287,6 +287,19 @@ impl<D: TestDb> Scenario<D> {
         self.db.effects(&self.store, &self.run).await
     }
 
+    /// Waits until at least `target` effects exist.
+    pub async fn wait_for_effects(&self, target: i64) {
+        eventually("progress", || async {
+            let total: i64 = self.effects().await.values().sum();
+            if total >= target {
+                Ok(())
+            } else {
+                Err(format!("{total} < {target} effects"))
+            }
+        })
+        .await;
+    }
+
     /// Waits until `expected` effects exist (counting duplicates) and the broker is settled.
     pub async fn wait_for(&self, consumers: &[&ConsumerName], expected: usize) {
         eventually("all messages handled and settled", || async {
@@ -576,15 +589,7 @@ pub async fn killed_and_restarted<D: TestDb>(brokers: &dyn BrokerFactory, db: &A
     for round in 1..=5 {
         let running = Running::start(&consumer, 2);
         let target = (ids.len() * round / 6) as i64;
-        eventually("some progress before the kill", || async {
-            let total: i64 = s.effects().await.values().sum();
-            if total >= target {
-                Ok(())
-            } else {
-                Err(format!("{total} < {target}"))
-            }
-        })
-        .await;
+        s.wait_for_effects(target).await;
         running.abort().await;
     }
     let running = Running::start(&consumer, 2);

@@ -65,6 +65,77 @@ fn app_migrator() -> Migrator {
     migrator
 }
 
+/// The implementation both databases share: the SQL is the same, only the types differ.
+/// (A macro producing the whole impl, as `#[async_trait]` must see every method.)
+macro_rules! test_db {
+    ($db:ty, $store:ty, $tx:ty, concurrent_writers = $concurrent:expr) => {
+        #[async_trait]
+        impl TestDb for $db {
+            type Store = $store;
+            const CONCURRENT_WRITERS: bool = $concurrent;
+
+            async fn store(&self) -> $store {
+                let store = Self::connect_fresh().await;
+                store.migrate().await.expect("migrate the inbox");
+                store.pool().execute(EFFECTS).await.expect("effects table");
+                store
+            }
+
+        async fn write_effect(&self, tx: &mut $tx, run: &str, consumer: &str, id: &str) -> Result<(), sqlx::Error> {
+            sqlx::query("INSERT INTO conformance_effects (run, consumer, message_id) VALUES ($1, $2, $3)")
+                .bind(run)
+                .bind(consumer)
+                .bind(id)
+                .execute(&mut **tx)
+                .await
+                .map(drop)
+        }
+
+        async fn effects(&self, store: &$store, run: &str) -> HashMap<(String, String), i64> {
+            let rows: Vec<(String, String, i64)> = sqlx::query_as(
+                "SELECT consumer, message_id, count(*) FROM conformance_effects WHERE run = $1 GROUP BY 1, 2",
+            )
+            .bind(run)
+            .fetch_all(store.pool())
+            .await
+            .expect("read effects");
+            rows.into_iter().map(|(c, m, n)| ((c, m), n)).collect()
+        }
+
+        async fn row(&self, store: &$store, consumer: &ConsumerName, id: &str) -> Option<InboxRow> {
+            let row: Option<(bool, bool, i64, Option<String>)> = sqlx::query_as(
+                "SELECT processed_at IS NOT NULL, dead_lettered_at IS NOT NULL, CAST(attempts AS BIGINT), last_error
+                 FROM inbox_messages WHERE consumer = $1 AND message_id = $2",
+            )
+            .bind(consumer.as_str())
+            .bind(id)
+            .fetch_optional(store.pool())
+            .await
+            .expect("read inbox row");
+            row.map(|(processed, dead, attempts, last_error)| InboxRow { processed, dead, attempts, last_error })
+        }
+
+        async fn check_app_migrations_coexist(&self) {
+            let app = app_migrator();
+            for ours_first in [true, false] {
+                let store = Self::connect_fresh().await;
+                if ours_first {
+                    store.migrate().await.unwrap();
+                }
+                app.run(store.pool()).await.expect("the application's migrations run beside ours");
+                store.migrate().await.expect("ours run beside the application's");
+                app.run(store.pool()).await.expect("and again");
+                let versions: Vec<i64> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations")
+                    .fetch_all(store.pool())
+                    .await
+                    .unwrap();
+                assert_eq!(versions, vec![1], "only the application's version in _sqlx_migrations");
+            }
+        }
+        }
+    };
+}
+
 /// SQLite: a new database file per scenario.
 pub struct Sqlite;
 
@@ -76,101 +147,15 @@ impl Sqlite {
         ));
         format!("sqlite:{}", path.display())
     }
-}
 
-#[async_trait]
-impl TestDb for Sqlite {
-    type Store = SqliteStore;
-    const CONCURRENT_WRITERS: bool = false;
-
-    async fn store(&self) -> SqliteStore {
-        let store = SqliteStore::connect(&Self::fresh_url())
+    async fn connect_fresh() -> SqliteStore {
+        SqliteStore::connect(&Self::fresh_url())
             .await
-            .expect("open SQLite");
-        store.migrate().await.expect("migrate SQLite");
-        store.pool().execute(EFFECTS).await.expect("effects table");
-        store
-    }
-
-    async fn write_effect(
-        &self,
-        tx: &mut SqliteTx,
-        run: &str,
-        consumer: &str,
-        id: &str,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(
-            "INSERT INTO conformance_effects (run, consumer, message_id) VALUES ($1, $2, $3)",
-        )
-        .bind(run)
-        .bind(consumer)
-        .bind(id)
-        .execute(&mut **tx)
-        .await
-        .map(drop)
-    }
-
-    async fn effects(&self, store: &SqliteStore, run: &str) -> HashMap<(String, String), i64> {
-        let rows: Vec<(String, String, i64)> = sqlx::query_as(
-            "SELECT consumer, message_id, count(*) FROM conformance_effects WHERE run = $1 GROUP BY 1, 2",
-        )
-        .bind(run)
-        .fetch_all(store.pool())
-        .await
-        .expect("read effects");
-        rows.into_iter().map(|(c, m, n)| ((c, m), n)).collect()
-    }
-
-    async fn row(
-        &self,
-        store: &SqliteStore,
-        consumer: &ConsumerName,
-        id: &str,
-    ) -> Option<InboxRow> {
-        let row: Option<(bool, bool, i64, Option<String>)> = sqlx::query_as(
-            "SELECT processed_at IS NOT NULL, dead_lettered_at IS NOT NULL, attempts, last_error
-             FROM inbox_messages WHERE consumer = $1 AND message_id = $2",
-        )
-        .bind(consumer.as_str())
-        .bind(id)
-        .fetch_optional(store.pool())
-        .await
-        .expect("read inbox row");
-        row.map(|(processed, dead, attempts, last_error)| InboxRow {
-            processed,
-            dead,
-            attempts,
-            last_error,
-        })
-    }
-
-    async fn check_app_migrations_coexist(&self) {
-        let app = app_migrator();
-        for ours_first in [true, false] {
-            let store = SqliteStore::connect(&Self::fresh_url()).await.unwrap();
-            if ours_first {
-                store.migrate().await.unwrap();
-            }
-            app.run(store.pool())
-                .await
-                .expect("the application's migrations run beside ours");
-            store
-                .migrate()
-                .await
-                .expect("ours run beside the application's");
-            app.run(store.pool()).await.expect("and again");
-            let versions: Vec<i64> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations")
-                .fetch_all(store.pool())
-                .await
-                .unwrap();
-            assert_eq!(
-                versions,
-                vec![1],
-                "only the application's version in _sqlx_migrations"
-            );
-        }
+            .expect("open SQLite")
     }
 }
+
+test_db!(Sqlite, SqliteStore, SqliteTx, concurrent_writers = false);
 
 /// PostgreSQL: a new database per scenario on the server of `DATABASE_URL`.
 pub struct Postgres;
@@ -191,103 +176,15 @@ impl Postgres {
         url.set_database(&name);
         url.to_string()
     }
-}
 
-#[async_trait]
-impl TestDb for Postgres {
-    type Store = PostgresStore;
-    const CONCURRENT_WRITERS: bool = true;
-
-    async fn store(&self) -> PostgresStore {
-        let store = PostgresStore::connect(&Self::fresh_url().await, 8)
+    async fn connect_fresh() -> PostgresStore {
+        PostgresStore::connect(&Self::fresh_url().await, 8)
             .await
-            .expect("connect PostgreSQL");
-        store.migrate().await.expect("migrate PostgreSQL");
-        store.pool().execute(EFFECTS).await.expect("effects table");
-        store
-    }
-
-    async fn write_effect(
-        &self,
-        tx: &mut PgTx,
-        run: &str,
-        consumer: &str,
-        id: &str,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(
-            "INSERT INTO conformance_effects (run, consumer, message_id) VALUES ($1, $2, $3)",
-        )
-        .bind(run)
-        .bind(consumer)
-        .bind(id)
-        .execute(&mut **tx)
-        .await
-        .map(drop)
-    }
-
-    async fn effects(&self, store: &PostgresStore, run: &str) -> HashMap<(String, String), i64> {
-        let rows: Vec<(String, String, i64)> = sqlx::query_as(
-            "SELECT consumer, message_id, count(*) FROM conformance_effects WHERE run = $1 GROUP BY 1, 2",
-        )
-        .bind(run)
-        .fetch_all(store.pool())
-        .await
-        .expect("read effects");
-        rows.into_iter().map(|(c, m, n)| ((c, m), n)).collect()
-    }
-
-    async fn row(
-        &self,
-        store: &PostgresStore,
-        consumer: &ConsumerName,
-        id: &str,
-    ) -> Option<InboxRow> {
-        let row: Option<(bool, bool, i32, Option<String>)> = sqlx::query_as(
-            "SELECT processed_at IS NOT NULL, dead_lettered_at IS NOT NULL, attempts, last_error
-             FROM inbox_messages WHERE consumer = $1 AND message_id = $2",
-        )
-        .bind(consumer.as_str())
-        .bind(id)
-        .fetch_optional(store.pool())
-        .await
-        .expect("read inbox row");
-        row.map(|(processed, dead, attempts, last_error)| InboxRow {
-            processed,
-            dead,
-            attempts: i64::from(attempts),
-            last_error,
-        })
-    }
-
-    async fn check_app_migrations_coexist(&self) {
-        let app = app_migrator();
-        for ours_first in [true, false] {
-            let store = PostgresStore::connect(&Self::fresh_url().await, 2)
-                .await
-                .unwrap();
-            if ours_first {
-                store.migrate().await.unwrap();
-            }
-            app.run(store.pool())
-                .await
-                .expect("the application's migrations run beside ours");
-            store
-                .migrate()
-                .await
-                .expect("ours run beside the application's");
-            app.run(store.pool()).await.expect("and again");
-            let versions: Vec<i64> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations")
-                .fetch_all(store.pool())
-                .await
-                .unwrap();
-            assert_eq!(
-                versions,
-                vec![1],
-                "only the application's version in _sqlx_migrations"
-            );
-        }
+            .expect("connect PostgreSQL")
     }
 }
+
+test_db!(Postgres, PostgresStore, PgTx, concurrent_writers = true);
 
 mod url_like {
     //! Just enough URL handling to swap the database name of a PostgreSQL URL.

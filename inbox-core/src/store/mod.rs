@@ -53,6 +53,34 @@ pub struct ConsumerStats {
     pub oldest_unprocessed: Option<Duration>,
 }
 
+impl ConsumerStats {
+    /// From one row of the stats query: consumer, rows, processed, processed in the last hour,
+    /// failing, dead, age in seconds of the oldest unprocessed row.
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
+    pub(crate) fn from_row(
+        (consumer, rows, processed, last_hour, failing, dead, oldest): (
+            String,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            Option<f64>,
+        ),
+    ) -> Self {
+        let count = |n: i64| u64::try_from(n).unwrap_or(0);
+        Self {
+            consumer,
+            rows: count(rows),
+            processed: count(processed),
+            processed_last_hour: count(last_hour),
+            failing: count(failing),
+            dead: count(dead),
+            oldest_unprocessed: oldest.map(|s| Duration::from_secs_f64(s.max(0.0))),
+        }
+    }
+}
+
 /// A dead-lettered message as recorded in the inbox table.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]

@@ -337,19 +337,6 @@ impl InboxStore for SqliteStore {
         .fetch_all(&self.pool)
         .await
         .map_err(store_error)?;
-        Ok(rows
-            .into_iter()
-            .map(
-                |(consumer, rows, processed, last_hour, failing, dead, oldest)| ConsumerStats {
-                    consumer,
-                    rows: rows as u64,
-                    processed: processed as u64,
-                    processed_last_hour: last_hour as u64,
-                    failing: failing as u64,
-                    dead: dead as u64,
-                    oldest_unprocessed: oldest.map(|s| Duration::from_secs_f64(s.max(0.0))),
-                },
-            )
-            .collect())
+        Ok(rows.into_iter().map(ConsumerStats::from_row).collect())
     }
 }
