@@ -1,12 +1,13 @@
 //! The consumer: the dedup-and-commit-then-ack algorithm of DESIGN.md, in one place.
 
+use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, field};
@@ -249,6 +250,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
         let subscription = Subscription::new(inner.source.clone(), inner.name.clone(), prefetch)
             .with_dead_letter(inner.dead_letter_destination());
         let mut tasks: JoinSet<Result<(), ConsumerError>> = JoinSet::new();
+        let mut lanes: HashMap<String, Lane> = HashMap::new();
         let mut fatal: Option<ConsumerError> = None;
         let mut reconnect = inner.settings.reconnect.delays();
 
@@ -287,14 +289,36 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
                 match next {
                     Some(Ok(delivery)) => {
                         reconnect = inner.settings.reconnect.delays();
-                        let inner = Arc::clone(inner);
-                        let metrics = Arc::clone(&metrics);
-                        let stop = stop.clone();
-                        tasks.spawn(async move {
-                            let result = inner.process(delivery, &metrics, &stop).await;
-                            drop(permit);
-                            result
-                        });
+                        match delivery.ordering_key().map(str::to_owned) {
+                            None => {
+                                let inner = Arc::clone(inner);
+                                let metrics = Arc::clone(&metrics);
+                                let stop = stop.clone();
+                                tasks.spawn(async move {
+                                    let result = inner.process(delivery, &metrics, &stop).await;
+                                    drop(permit);
+                                    result
+                                });
+                            }
+                            Some(key) => {
+                                // One lane per key: its deliveries are handled one after another.
+                                let mut item = (delivery, permit);
+                                if let Some(lane) = lanes.get(&key) {
+                                    match lane.send(item) {
+                                        Ok(()) => continue,
+                                        Err(mpsc::error::SendError(back)) => item = back,
+                                    }
+                                }
+                                let (lane, queue) = mpsc::unbounded_channel();
+                                let _ = lane.send(item);
+                                lanes.insert(key, lane);
+                                tasks.spawn(Arc::clone(inner).run_lane(
+                                    queue,
+                                    Arc::clone(&metrics),
+                                    stop.clone(),
+                                ));
+                            }
+                        }
                     }
                     Some(Err(e)) if !e.is_transient() => {
                         fatal = Some(ConsumerError::Transport(e));
@@ -320,7 +344,9 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
                 break;
             }
         }
-        // Drain: in-flight handlers finish and ack; waiting retries are handed back.
+        // Drain: in-flight handlers finish and ack; waiting retries and queued lane deliveries
+        // are handed back.
+        lanes.clear();
         while let Some(done) = tasks.join_next().await {
             if let Some(e) = task_failure(done) {
                 fatal.get_or_insert(e);
@@ -332,6 +358,9 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
         }
     }
 }
+
+/// The queue of one ordering key: deliveries with the permit each took.
+type Lane = mpsc::UnboundedSender<(Box<dyn Delivery>, OwnedSemaphorePermit)>;
 
 fn task_failure(
     done: Result<Result<(), ConsumerError>, tokio::task::JoinError>,
@@ -432,6 +461,26 @@ impl Outcome {
 }
 
 impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
+    /// Handles one ordering key's deliveries in order. After shutdown, what is still queued is
+    /// handed back unhandled.
+    async fn run_lane(
+        self: Arc<Self>,
+        mut queue: mpsc::UnboundedReceiver<(Box<dyn Delivery>, OwnedSemaphorePermit)>,
+        metrics: Arc<Metrics>,
+        stop: CancellationToken,
+    ) -> Result<(), ConsumerError> {
+        while let Some((delivery, permit)) = queue.recv().await {
+            if stop.is_cancelled() {
+                self.hand_back(delivery).await;
+                continue;
+            }
+            let result = self.process(delivery, &metrics, &stop).await;
+            drop(permit);
+            result?;
+        }
+        Ok(())
+    }
+
     fn dead_letter_destination(&self) -> String {
         match &self.settings.dead_letter_destination {
             Some(d) => d.clone(),

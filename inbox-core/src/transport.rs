@@ -54,6 +54,11 @@ pub trait Delivery: Send + Sync + fmt::Debug {
     fn coordinates(&self) -> Option<String> {
         None
     }
+    /// Deliveries with the same key are handled one after another, in delivery order (Kafka:
+    /// the partition). `None`: no order to keep.
+    fn ordering_key(&self) -> Option<&str> {
+        None
+    }
     /// Acknowledges the delivery. Needs the [`AckToken`] that only a commit yields.
     ///
     /// An error means the broker may redeliver: the inbox will discard that copy.
@@ -73,6 +78,9 @@ pub struct Capabilities {
     pub delivery_count: bool,
     /// Deliveries carry coordinates usable as ids.
     pub coordinates: bool,
+    /// Deliveries carry ordering keys (Kafka partitions): one key's deliveries are handled one
+    /// at a time, in order.
+    pub ordered: bool,
 }
 
 impl Capabilities {
@@ -82,6 +90,7 @@ impl Capabilities {
             requeue: true,
             delivery_count: false,
             coordinates: false,
+            ordered: false,
         }
     }
 
@@ -100,6 +109,12 @@ impl Capabilities {
     /// Sets `coordinates`.
     pub const fn with_coordinates(mut self, yes: bool) -> Self {
         self.coordinates = yes;
+        self
+    }
+
+    /// Sets `ordered`.
+    pub const fn with_ordered(mut self, yes: bool) -> Self {
+        self.ordered = yes;
         self
     }
 }

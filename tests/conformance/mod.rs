@@ -3,6 +3,8 @@
 //! [`conformance_suite!`](crate::conformance_suite).
 #![allow(dead_code)]
 
+#[cfg(feature = "kafka")]
+pub mod kafka;
 pub mod memory;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
@@ -434,6 +436,9 @@ impl Delivery for CrashingDelivery {
     fn coordinates(&self) -> Option<String> {
         self.inner.coordinates()
     }
+    fn ordering_key(&self) -> Option<&str> {
+        self.inner.ordering_key()
+    }
     async fn ack(self: Box<Self>, token: AckToken) -> Result<(), TransportError> {
         let key = self
             .inner
@@ -549,7 +554,20 @@ pub async fn crash_before_ack_leaves_one_effect<D: TestDb>(
     let crashing = Arc::new(CrashBeforeFirstAck::new(s.broker.transport()));
     let script = Arc::new(Script::default());
     let consumer = s.consumer_on(crashing.clone(), &name, &script);
-    let running = Running::start(&consumer, 1);
+    let mut running = Running::start(&consumer, 1);
+    if !crashing.capabilities().requeue {
+        // Without requeue (Kafka) a message comes back only from the last committed offset:
+        // after a restart, as after a real crash.
+        eventually("every message handled once", || async {
+            match consumer.report().processed {
+                n if n == ids.len() as u64 => Ok(()),
+                n => Err(format!("{n} processed")),
+            }
+        })
+        .await;
+        running.stop().await;
+        running = Running::start(&consumer, 1);
+    }
     eventually(
         "every message redelivered after its commit and discarded",
         || async {
@@ -748,6 +766,16 @@ pub async fn invalid_ids_are_dead_lettered<D: TestDb>(brokers: &dyn BrokerFactor
     s.wait_for(&[&name], 2).await;
     running.stop().await;
     s.assert_exactly_once(&[&name], &[before, after]).await;
+    // Some brokers show a topic's end a little after the publish was confirmed.
+    eventually("every dead letter readable", || async {
+        let n = s.broker.published(&s.dead_letter_destination()).await.len();
+        if n >= bad.len() {
+            Ok(())
+        } else {
+            Err(format!("{n} dead letters"))
+        }
+    })
+    .await;
     let dead = s.broker.published(&s.dead_letter_destination()).await;
     assert_eq!(dead.len(), bad.len(), "{dead:?}");
     for letter in &dead {
@@ -934,11 +962,18 @@ pub async fn shutdown_drains_in_flight<D: TestDb>(brokers: &dyn BrokerFactory, d
     });
     let consumer = s.consumer(&name, &script).concurrency(3).prefetch(3);
     let running = Running::start(&consumer, 1);
-    // A single-writer database lets one handler in at a time; the others wait in BEGIN.
+    // A single-writer database lets one handler in at a time; the others wait in BEGIN. An
+    // ordered transport queues a partition's deliveries behind the one in its handler.
+    let ordered = s.broker.transport().capabilities().ordered;
     let in_handler = if D::CONCURRENT_WRITERS { 3 } else { 1 };
     eventually("handlers in flight", || async {
         let (entered, taken) = (entered.load(Ordering::SeqCst), consumer.report().deliveries);
-        if entered == in_handler && taken == 3 {
+        let ready = if ordered {
+            entered >= 1 && entered as u64 == taken
+        } else {
+            entered == in_handler && taken == 3
+        };
+        if ready {
             Ok(())
         } else {
             Err(format!(
@@ -951,13 +986,26 @@ pub async fn shutdown_drains_in_flight<D: TestDb>(brokers: &dyn BrokerFactory, d
     release.add_permits(1000);
     running.stop().await;
     let handled: i64 = s.effects().await.values().sum();
-    assert_eq!(handled, 3, "exactly the in-flight messages were finished");
-    assert_eq!(consumer.report().processed, 3);
+    let report = consumer.report();
     assert_eq!(
-        consumer.report().deliveries,
-        3,
-        "nothing new was taken after the stop"
+        handled as u64, report.processed,
+        "what was handled was committed: {report:?}"
     );
+    assert_eq!(
+        report.deliveries, report.processed,
+        "every delivery taken in finished; none after the stop: {report:?}"
+    );
+    assert_eq!(
+        entered.load(Ordering::SeqCst) as u64,
+        report.processed,
+        "{report:?}"
+    );
+    if !ordered {
+        assert_eq!(
+            report.processed, 3,
+            "exactly the in-flight messages were finished"
+        );
+    }
 
     let running = Running::start(&consumer, 1);
     s.wait_for(&[&name], ids.len()).await;

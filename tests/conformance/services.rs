@@ -32,6 +32,7 @@ pub fn postgres_url() -> String {
 }
 
 mod containers {
+    use testcontainers_modules::kafka::apache::Kafka;
     use testcontainers_modules::postgres::Postgres;
     use testcontainers_modules::rabbitmq::RabbitMq;
     use testcontainers_modules::testcontainers::runners::SyncRunner;
@@ -48,6 +49,18 @@ mod containers {
         // reaper removes it afterwards).
         std::mem::forget(container);
         format!("postgres://postgres:postgres@127.0.0.1:{port}/postgres")
+    }
+
+    /// Starts Kafka (KRaft) in a container kept for the life of the test process.
+    pub fn kafka() -> String {
+        let container = Kafka::default()
+            .start()
+            .expect("starting a Kafka container with testcontainers");
+        let port = container
+            .get_host_port_ipv4(testcontainers_modules::kafka::apache::KAFKA_PORT)
+            .expect("the Kafka container's port");
+        std::mem::forget(container);
+        format!("127.0.0.1:{port}")
     }
 
     /// Starts RabbitMQ in a container kept for the life of the test process.
@@ -76,4 +89,20 @@ pub fn amqp_url() -> String {
         containers::rabbitmq()
     })
     .clone()
+}
+
+/// The Kafka bootstrap servers for the tests.
+pub fn kafka_brokers() -> String {
+    static BROKERS: OnceLock<String> = OnceLock::new();
+    BROKERS
+        .get_or_init(|| {
+            if let Ok(brokers) = std::env::var("KAFKA_BROKERS") {
+                return brokers;
+            }
+            if !docker_reachable() {
+                missing("KAFKA_BROKERS", "127.0.0.1:9092");
+            }
+            containers::kafka()
+        })
+        .clone()
 }

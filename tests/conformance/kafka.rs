@@ -1,0 +1,84 @@
+//! Kafka as a conformance-suite broker: the cluster of `KAFKA_BROKERS`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use inbox::kafka::{KafkaConfig, KafkaTransport};
+use inbox::memory::Faults;
+use inbox::{ConsumerName, OutgoingMessage, Transport};
+
+use super::{BrokerFactory, TestBroker, services};
+
+/// A transport per scenario (topics and groups are unique per scenario).
+pub struct Kafka;
+
+pub struct KafkaTestBroker {
+    pub transport: Arc<KafkaTransport>,
+}
+
+impl Kafka {
+    pub fn start_kafka(&self) -> KafkaTestBroker {
+        let config =
+            KafkaConfig::new(services::kafka_brokers()).commit_interval(Duration::from_millis(100));
+        KafkaTestBroker {
+            transport: Arc::new(
+                KafkaTransport::new(config).expect("a Kafka client for KAFKA_BROKERS"),
+            ),
+        }
+    }
+}
+
+#[async_trait]
+impl TestBroker for KafkaTestBroker {
+    fn transport(&self) -> Arc<dyn Transport> {
+        self.transport.clone()
+    }
+    async fn prepare(&self, source: &str, _consumers: &[&ConsumerName]) {
+        self.transport
+            .create_topics(&[source])
+            .await
+            .expect("create the topic");
+    }
+    async fn settled(&self, source: &str, consumers: &[&ConsumerName]) -> Result<(), String> {
+        let mut left = Vec::new();
+        for consumer in consumers {
+            let lag = self
+                .transport
+                .lag(source, consumer.as_str())
+                .await
+                .map_err(|e| e.to_string())?;
+            if lag > 0 {
+                left.push(format!("{consumer}: {lag} records not committed"));
+            }
+        }
+        match self.transport.unsettled() {
+            0 => {}
+            n => left.push(format!("{n} deliveries unsettled")),
+        }
+        if left.is_empty() {
+            Ok(())
+        } else {
+            Err(left.join("; "))
+        }
+    }
+    async fn published(&self, destination: &str) -> Vec<OutgoingMessage> {
+        self.transport
+            .read_topic(destination)
+            .await
+            .unwrap_or_default()
+    }
+}
+
+#[async_trait]
+impl BrokerFactory for Kafka {
+    fn name(&self) -> &'static str {
+        "kafka"
+    }
+    fn injects_faults(&self) -> bool {
+        false
+    }
+    async fn start(&self, _faults: Faults) -> Box<dyn TestBroker> {
+        Box::new(self.start_kafka())
+    }
+}
