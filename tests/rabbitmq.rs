@@ -74,20 +74,30 @@ async fn server_closes_all_connections_mid_stream() {
             s.publish(id, i).await;
         }
     }
+    // Handlers wait while the gate is shut, so that some are surely in flight at each close.
+    let (gate, _) = tokio::sync::watch::channel(true);
+    let gate = Arc::new(gate);
     let script = Arc::new(Script {
-        // Handlers that take a little while, so that some are in flight at each close.
-        hook: Some(Arc::new(|_, _| {
-            Box::pin(async {
-                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-                Ok(())
+        hook: Some({
+            let gate = Arc::clone(&gate);
+            Arc::new(move |_, _| {
+                let mut open = gate.subscribe();
+                Box::pin(async move {
+                    let _ = open.wait_for(|open| *open).await;
+                    Ok(())
+                })
             })
-        })),
+        }),
         ..Script::default()
     });
     let consumer = s.consumer(&name, &script);
     let running = Running::start(&consumer, 2);
     for target in [60, 150] {
         s.wait_for_effects(target).await;
+        gate.send_replace(false);
+        let waiting = consumer.report().deliveries
+            - consumer.report().processed
+            - consumer.report().duplicates_discarded;
         let handled: i64 = s.effects().await.values().sum();
         let said = rabbitmqctl(&[
             "close_all_connections",
@@ -96,7 +106,11 @@ async fn server_closes_all_connections_mid_stream() {
             "inbox test: server-side close",
         ])
         .await;
-        println!("closed at {handled} effects: {}", said.trim());
+        gate.send_replace(true);
+        println!(
+            "closed at {handled} effects with about {waiting} deliveries in flight: {}",
+            said.trim()
+        );
         let before = s.broker.connections_opened();
         eventually("the transport reconnects", || async {
             match s.broker.connections_opened() {
