@@ -75,3 +75,36 @@ ensure_rabbitmq() {
   export AMQP_URL="${AMQP_URL:-amqp://guest:guest@$AMQP_HOST:$AMQP_PORT/%2f}"
   say "RabbitMQ ready"
 }
+
+KAFKA_HOST=127.0.0.1
+KAFKA_PORT=9092
+
+kafka_port_open() { (exec 3<>"/dev/tcp/$KAFKA_HOST/$KAFKA_PORT") 2>/dev/null; }
+
+# tansu 0.6.0, a Kafka-API broker, from crates.io: built once into a cache (scripts/install-tansu),
+# started on 127.0.0.1:9092 with its memory storage, stopped when the calling script exits.
+ensure_kafka() {
+  if [ -n "${KAFKA_BROKERS:-}" ]; then say "using KAFKA_BROKERS=$KAFKA_BROKERS"; return; fi
+  if ! kafka_port_open; then
+    local tansu
+    tansu=$(scripts/install-tansu) || die "cannot install tansu"
+    say "starting tansu (Kafka API) on $KAFKA_HOST:$KAFKA_PORT"
+    TANSU_LOG="${TMPDIR:-/tmp}/inbox-tansu.log"
+    "$tansu" broker --listener-url "tcp://$KAFKA_HOST:$KAFKA_PORT" \
+      --advertised-listener-url "tcp://$KAFKA_HOST:$KAFKA_PORT" \
+      --storage-engine memory://tansu/ >"$TANSU_LOG" 2>&1 &
+    TANSU_PID=$!
+    trap 'kill "$TANSU_PID" 2>/dev/null || true' EXIT
+    wait_for "tansu on $KAFKA_HOST:$KAFKA_PORT (log: $TANSU_LOG)" 60 kafka_port_open
+  fi
+  export KAFKA_BROKERS="$KAFKA_HOST:$KAFKA_PORT"
+  say "Kafka API ready"
+}
+
+# A Kafka client other than ours, for the cross-client test: PyPI's confluent-kafka.
+ensure_confluent_kafka() {
+  if ! python3 -c 'import confluent_kafka' 2>/dev/null; then
+    say "installing confluent-kafka from PyPI"
+    python3 -m pip install --quiet confluent-kafka >&2 || die "cannot install confluent-kafka"
+  fi
+}

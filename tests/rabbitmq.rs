@@ -186,32 +186,15 @@ async fn an_ack_after_the_connection_died_is_reported_lost() {
 /// code) published — duplicates included — exactly once, and drain on SIGTERM.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_clients_messages_are_handled_once_by_the_demo() {
+    use conformance::demo::DemoConsumer;
     use inbox::rabbitmq::RabbitMqTransport;
 
-    let url = Postgres::fresh_url().await;
     let source = format!("parcels-{}", uuid::Uuid::new_v4().simple());
-    let demo = conformance::demo_binary();
-    let child = tokio::process::Command::new(&demo)
-        .args([
-            "consume",
-            "--transport",
-            "rabbitmq",
-            "--database",
-            &url,
-            "--source",
-            &source,
-        ])
-        .env("AMQP_URL", conformance::services::amqp_url())
-        .env("RUST_LOG", "warn")
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap_or_else(|e| panic!("start {}: {e}", demo.display()));
-
-    let transport =
-        RabbitMqTransport::connect(conformance::services::amqp_url(), Default::default())
-            .await
-            .unwrap();
+    let amqp = conformance::services::amqp_url();
+    let demo = DemoConsumer::start("rabbitmq", &source, &[("AMQP_URL", amqp.clone())]).await;
+    let transport = RabbitMqTransport::connect(amqp, Default::default())
+        .await
+        .unwrap();
     eventually("the demo declared its queues", || async {
         for consumer in ["notification", "carrier-assignment"] {
             transport
@@ -250,21 +233,7 @@ async fn another_clients_messages_are_handled_once_by_the_demo() {
         }
     }
 
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    eventually("both effects of every event", || async {
-        let n: i64 = sqlx::query_scalar(
-            "SELECT (SELECT count(*) FROM notifications) + (SELECT count(*) FROM carrier_bookings)",
-        )
-        .fetch_one(&pool)
-        .await
-        .map_err(|e| e.to_string())?;
-        if n >= 2 * events {
-            Ok(())
-        } else {
-            Err(format!("{n} effect rows"))
-        }
-    })
-    .await;
+    demo.wait_for_effects(events).await;
     eventually("the duplicates settled", || async {
         let mut left = 0;
         for consumer in ["notification", "carrier-assignment"] {
@@ -280,50 +249,8 @@ async fn another_clients_messages_are_handled_once_by_the_demo() {
         }
     })
     .await;
-
-    let pid = child.id().expect("running");
-    let killed = tokio::process::Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()
-        .await
-        .unwrap();
-    assert!(killed.success());
-    let output = tokio::time::timeout(conformance::DEADLINE, child.wait_with_output())
-        .await
-        .expect("the demo drains and exits after SIGTERM")
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "the demo exits 0 after SIGTERM: {stderr}"
-    );
+    let database = demo.database.clone();
+    let stderr = demo.stop().await;
     println!("{stderr}");
-    for consumer in ["notification", "carrier-assignment"] {
-        let line = stderr
-            .lines()
-            .find(|l| l.starts_with(&format!("{consumer}:")))
-            .expect("a summary line");
-        assert!(line.contains(&format!("processed {events} ")), "{line}");
-        assert!(
-            line.contains(&format!("duplicates {duplicated} ")),
-            "{line}"
-        );
-    }
-
-    let report = tokio::process::Command::new(&demo)
-        .args([
-            "report",
-            "--database",
-            &url,
-            "--expect",
-            &events.to_string(),
-        ])
-        .output()
-        .await
-        .unwrap();
-    println!("{}", String::from_utf8_lossy(&report.stdout));
-    assert!(
-        report.status.success(),
-        "every parcel: one notification, one booking"
-    );
+    DemoConsumer::assert_exactly_once(&database, &stderr, events as u64, duplicated as u64).await;
 }

@@ -152,7 +152,8 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
     }
 }
 
-/// The broker to use. RabbitMQ reads `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`).
+/// The broker to use. RabbitMQ reads `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`),
+/// Kafka `KAFKA_BROKERS` (default `127.0.0.1:9092`).
 fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
     match kind {
         TransportKind::Memory => Ok(Arc::new(MemoryBroker::new())),
@@ -169,7 +170,18 @@ fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
         TransportKind::Rabbitmq => {
             Err("this build has no RabbitMQ transport: run with --features rabbitmq".into())
         }
-        TransportKind::Kafka => Err("the Kafka transport is not available yet (issue 4)".into()),
+        #[cfg(feature = "kafka")]
+        TransportKind::Kafka => {
+            let brokers =
+                std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".to_owned());
+            Ok(Arc::new(inbox::kafka::KafkaTransport::new(
+                inbox::kafka::KafkaConfig::new(brokers),
+            )?))
+        }
+        #[cfg(not(feature = "kafka"))]
+        TransportKind::Kafka => {
+            Err("this build has no Kafka transport: run with --features kafka".into())
+        }
     }
 }
 

@@ -3,6 +3,8 @@
 //! [`conformance_suite!`](crate::conformance_suite).
 #![allow(dead_code)]
 
+#[cfg(any(feature = "rabbitmq", feature = "kafka"))]
+pub mod demo;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod memory;
@@ -58,22 +60,6 @@ pub trait BrokerFactory: Send + Sync {
     fn injects_faults(&self) -> bool;
     /// A broker; `faults` where supported.
     async fn start(&self, faults: Faults) -> Box<dyn TestBroker>;
-}
-
-/// The demo binary, built by cargo next to the test binaries (`target/<profile>/examples`).
-pub fn demo_binary() -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let profile_dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target/<profile>/deps");
-    let demo = profile_dir.join("examples").join("parcel_tracker");
-    assert!(
-        demo.exists(),
-        "{} is missing: build it with cargo build --examples --all-features",
-        demo.display()
-    );
-    demo
 }
 
 /// Logs to the test output, filtered by `TEST_LOG` (for example `TEST_LOG=inbox_core=debug`).
@@ -1103,6 +1089,47 @@ pub async fn migrations_coexist_with_the_application<D: TestDb>(
     db.check_app_migrations_coexist().await;
 }
 
+/// A second instance joins while the first consumes (a rebalance on Kafka): it gets work, and
+/// every message still has exactly one effect.
+pub async fn an_instance_joins_mid_stream<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = s.name("joined");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = (0..600).map(|i| s.id(i)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    // Handlers that take a while, so that the stream is not over before the join takes effect.
+    let slow: Hook = Arc::new(|_, _| {
+        Box::pin(async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            Ok(())
+        })
+    });
+    let script = Arc::new(Script {
+        hook: Some(slow),
+        ..Script::default()
+    });
+    let first = s.consumer(&name, &script);
+    let second = s.consumer(&name, &script);
+    let running_first = Running::start(&first, 1);
+    s.wait_for_effects(50).await;
+    let running_second = Running::start(&second, 1);
+    s.wait_for(&[&name], ids.len()).await;
+    running_first.stop().await;
+    running_second.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+    assert!(
+        second.report().processed > 0,
+        "the joining instance got work: {:?}",
+        second.report()
+    );
+    assert_eq!(
+        first.report().processed + second.report().processed,
+        ids.len() as u64
+    );
+}
+
 /// Generates one `#[tokio::test]` per scenario for a (broker factory, database) pair.
 #[macro_export]
 macro_rules! conformance_suite {
@@ -1123,6 +1150,7 @@ macro_rules! conformance_suite {
                 hostile_values_are_bound_parameters,
                 cleanup_keeps_dead_letters,
                 migrations_coexist_with_the_application,
+                an_instance_joins_mid_stream,
             );
         }
     };
