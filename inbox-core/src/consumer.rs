@@ -588,20 +588,28 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
                     last_error,
                 } => (attempts, last_error),
             };
-            let attempt = attempts
-                .saturating_add(1)
-                .max(delivery.delivery_count().unwrap_or(1));
+            let attempt = attempts.saturating_add(1);
             span.record("attempt", attempt);
-            if attempt > self.settings.retry.max_attempts {
-                let reason = format!(
-                    "gave up after {} attempts; last error: {}",
-                    attempt - 1,
-                    last_error
-                        .as_deref()
-                        .unwrap_or("none recorded (the broker redelivered it that often)")
-                );
+            let policy = &self.settings.retry;
+            let exhausted = if attempt > policy.max_attempts {
+                Some(format!(
+                    "gave up after {attempts} attempts; last error: {}",
+                    last_error.as_deref().unwrap_or("none recorded")
+                ))
+            } else {
+                // Deliveries that never reached an outcome (the consumer died on them) count
+                // against a separate, larger limit: a message that crashes the process is poison
+                // too, but a crash of the process alone must not dead-letter its prefetched rest.
+                match delivery.delivery_count() {
+                    Some(n) if n > policy.max_deliveries => Some(format!(
+                        "delivered {n} times without an outcome ({attempts} failures recorded): the consumer may be crashing on it"
+                    )),
+                    _ => None,
+                }
+            };
+            if let Some(reason) = exhausted {
                 return self
-                    .dead_letter_claimed(tx, delivery, &id, attempt - 1, reason, metrics, stop)
+                    .dead_letter_claimed(tx, delivery, &id, attempts, reason, metrics, stop)
                     .await;
             }
 

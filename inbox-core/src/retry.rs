@@ -16,6 +16,11 @@ use backon::{BackoffBuilder, ExponentialBuilder};
 pub struct RetryPolicy {
     /// Total attempts before dead-lettering (at least 1).
     pub max_attempts: u32,
+    /// Deliveries the broker may make of one message, where it counts them (RabbitMQ quorum
+    /// queues, the memory broker), before it is dead-lettered although no failure was recorded:
+    /// the backstop for a message that crashes the consumer. Larger than `max_attempts`, since a
+    /// crash also redelivers every message that was merely prefetched.
+    pub max_deliveries: u32,
     /// Retries in process before handing the message back to the broker.
     pub in_process_retries: u32,
     /// First backoff delay.
@@ -30,6 +35,7 @@ impl Default for RetryPolicy {
     fn default() -> Self {
         Self {
             max_attempts: 5,
+            max_deliveries: 20,
             in_process_retries: 2,
             min_delay: Duration::from_millis(100),
             max_delay: Duration::from_secs(10),
@@ -42,6 +48,12 @@ impl RetryPolicy {
     /// Sets `max_attempts` (at least 1).
     pub fn with_max_attempts(mut self, n: u32) -> Self {
         self.max_attempts = n.max(1);
+        self
+    }
+
+    /// Sets `max_deliveries` (at least 1).
+    pub fn with_max_deliveries(mut self, n: u32) -> Self {
+        self.max_deliveries = n.max(1);
         self
     }
 

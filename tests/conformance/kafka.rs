@@ -19,8 +19,9 @@ pub struct KafkaTestBroker {
 
 impl Kafka {
     pub fn start_kafka(&self) -> KafkaTestBroker {
-        let config =
-            KafkaConfig::new(services::kafka_brokers()).commit_interval(Duration::from_millis(100));
+        let config = KafkaConfig::new(services::kafka_brokers())
+            .commit_interval(Duration::from_millis(100))
+            .session_timeout(Duration::from_secs(6));
         KafkaTestBroker {
             transport: Arc::new(
                 KafkaTransport::new(config).expect("a Kafka client for KAFKA_BROKERS"),

@@ -1130,6 +1130,98 @@ pub async fn an_instance_joins_mid_stream<D: TestDb>(brokers: &dyn BrokerFactory
     );
 }
 
+/// A message the consumer dies on (no failure is ever recorded) is dead-lettered once the
+/// broker's delivery count passes `max_deliveries`; the others are unaffected. Only for brokers
+/// that count deliveries.
+pub async fn crash_looping_message_is_dead_lettered<D: TestDb>(
+    brokers: &dyn BrokerFactory,
+    db: &Arc<D>,
+) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    if !s.broker.transport().capabilities().delivery_count {
+        println!(
+            "not applicable: {} does not count deliveries",
+            brokers.name()
+        );
+        return;
+    }
+    let name = s.name("crashloop");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let (poison, fine) = (s.id(0), s.id(1));
+    s.publish(&poison, 0).await;
+    let entered = Arc::new(AtomicUsize::new(0));
+    let script = Arc::new(Script {
+        hook: Some({
+            let (entered, poison) = (Arc::clone(&entered), poison.clone());
+            Arc::new(move |id, _| {
+                let (entered, is_poison) = (Arc::clone(&entered), id == poison);
+                Box::pin(async move {
+                    if is_poison {
+                        entered.fetch_add(1, Ordering::SeqCst);
+                        // Never returns: the "process" dies here.
+                        std::future::pending::<()>().await;
+                    }
+                    Ok(())
+                })
+            })
+        }),
+        ..Script::default()
+    });
+    let max_deliveries = 3;
+    let consumer = s.consumer(&name, &script).retry(
+        RetryPolicy::default()
+            .with_max_deliveries(max_deliveries)
+            .with_delays(Duration::from_millis(5), Duration::from_millis(40)),
+    );
+    // Crash whenever the handler is stuck in it, until the broker's count passes the limit. (A
+    // broker may count more than one delivery per crash: RabbitMQ counts every return to the
+    // queue, and an aborted consumer may return it twice.)
+    let dead_letters = || async { s.broker.published(&s.dead_letter_destination()).await.len() };
+    let mut crashes = 0;
+    while dead_letters().await == 0 {
+        assert!(
+            crashes <= max_deliveries as usize,
+            "still not dead-lettered after {crashes} crashes"
+        );
+        let running = Running::start(&consumer, 1);
+        eventually("stuck in the poison message, or done with it", || async {
+            if entered.load(Ordering::SeqCst) > crashes || dead_letters().await > 0 {
+                Ok(())
+            } else {
+                Err("waiting".to_owned())
+            }
+        })
+        .await;
+        running.abort().await;
+        crashes = entered.load(Ordering::SeqCst);
+    }
+    let running = Running::start(&consumer, 1);
+    s.publish(&fine, 1).await;
+    s.wait_for(&[&name], 1).await;
+    eventually("the poison message dead-lettered", || async {
+        match s.broker.published(&s.dead_letter_destination()).await.len() {
+            0 => Err("no dead letter yet".to_owned()),
+            _ => Ok(()),
+        }
+    })
+    .await;
+    running.stop().await;
+    let entered = entered.load(Ordering::SeqCst);
+    assert!(
+        (1..=max_deliveries as usize).contains(&entered),
+        "handed to the handler {entered} times, then never again"
+    );
+    s.assert_exactly_once(&[&name], &[fine]).await;
+    let dead = s.broker.published(&s.dead_letter_destination()).await;
+    let reason = header(&dead[0], dead_letter_headers::REASON);
+    assert!(reason.contains("without an outcome"), "{reason}");
+    let row =
+        s.db.row(&s.store, &name, &poison)
+            .await
+            .expect("a dead row");
+    assert!(row.dead, "{row:?}");
+}
+
 /// Generates one `#[tokio::test]` per scenario for a (broker factory, database) pair.
 #[macro_export]
 macro_rules! conformance_suite {
@@ -1151,6 +1243,7 @@ macro_rules! conformance_suite {
                 cleanup_keeps_dead_letters,
                 migrations_coexist_with_the_application,
                 an_instance_joins_mid_stream,
+                crash_looping_message_is_dead_lettered,
             );
         }
     };

@@ -52,6 +52,9 @@ pub struct KafkaConfig {
     pub replication: i32,
     /// How often stored offsets are committed (`auto.commit.interval.ms`).
     pub commit_interval: Duration,
+    /// The consumers' `session.timeout.ms`: how long a vanished instance keeps its partitions.
+    /// `None`: librdkafka's default (45 s).
+    pub session_timeout: Option<Duration>,
     /// Extra client settings, applied last (for example `security.protocol`).
     pub extra: Vec<(String, String)>,
 }
@@ -64,6 +67,7 @@ impl KafkaConfig {
             partitions: 3,
             replication: 1,
             commit_interval: Duration::from_secs(1),
+            session_timeout: None,
             extra: Vec::new(),
         }
     }
@@ -77,6 +81,12 @@ impl KafkaConfig {
     /// Sets the commit interval.
     pub fn commit_interval(mut self, every: Duration) -> Self {
         self.commit_interval = every;
+        self
+    }
+
+    /// Sets the consumers' session timeout.
+    pub fn session_timeout(mut self, timeout: Duration) -> Self {
+        self.session_timeout = Some(timeout);
         self
     }
 
@@ -407,6 +417,13 @@ impl KafkaTransport {
             )
             .set("auto.offset.reset", "earliest")
             .set("enable.partition.eof", "false");
+        if let Some(timeout) = self.config.session_timeout {
+            config.set("session.timeout.ms", timeout.as_millis().to_string());
+            config.set(
+                "heartbeat.interval.ms",
+                (timeout.as_millis() / 6).max(100).to_string(),
+            );
+        }
         for (key, value) in &self.config.extra {
             config.set(key, value);
         }

@@ -20,7 +20,7 @@
 use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use async_trait::async_trait;
 use futures::StreamExt;
@@ -511,10 +511,15 @@ impl Transport for RabbitMqTransport {
             "consuming from RabbitMQ"
         );
         let unsettled = Arc::clone(&self.unsettled);
+        let guard = StreamGuard(Arc::new(ConsumerChannel {
+            channel,
+            outstanding: AtomicUsize::new(0),
+            stream_gone: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+        }));
         let stream = deliveries.map(move |next| match next {
             Ok(delivery) => Ok(
-                Box::new(RabbitDelivery::new(delivery, channel.clone(), &unsettled))
-                    as Box<dyn Delivery>,
+                Box::new(RabbitDelivery::new(delivery, &guard.0, &unsettled)) as Box<dyn Delivery>,
             ),
             Err(e) => Err(broker_error(e)),
         });
@@ -537,14 +542,59 @@ impl Transport for RabbitMqTransport {
     }
 }
 
+/// One subscription's channel. It is closed once the delivery stream is gone and every delivery
+/// from it is settled, so that the broker requeues at once what it had pushed to this consumer
+/// and no one will handle (the prefetched rest).
+struct ConsumerChannel {
+    channel: Channel,
+    outstanding: AtomicUsize,
+    stream_gone: AtomicBool,
+    closed: AtomicBool,
+}
+
+impl ConsumerChannel {
+    fn release(self: &Arc<Self>) {
+        if self.outstanding.fetch_sub(1, Ordering::SeqCst) == 1
+            && self.stream_gone.load(Ordering::SeqCst)
+        {
+            self.close();
+        }
+    }
+
+    fn close(self: &Arc<Self>) {
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let channel = self.channel.clone();
+            runtime.spawn(async move {
+                let _ = channel.close(200, "subscription ended".into()).await;
+            });
+        }
+    }
+}
+
+/// Owned by the delivery stream: its drop starts the channel's close.
+struct StreamGuard(Arc<ConsumerChannel>);
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.0.stream_gone.store(true, Ordering::SeqCst);
+        if self.0.outstanding.load(Ordering::SeqCst) == 0 {
+            self.0.close();
+        }
+    }
+}
+
 /// A delivery from RabbitMQ. Dropped unsettled, it is nacked with requeue.
 pub struct RabbitDelivery {
     inner: Option<lapin::message::Delivery>,
     /// Keeps the channel open until the delivery is settled.
-    _channel: Channel,
+    subscription: Arc<ConsumerChannel>,
     headers: Headers,
     delivery_count: Option<u32>,
     unsettled: Arc<AtomicUsize>,
+    finished: bool,
 }
 
 impl fmt::Debug for RabbitDelivery {
@@ -566,7 +616,7 @@ impl fmt::Debug for RabbitDelivery {
 impl RabbitDelivery {
     fn new(
         delivery: lapin::message::Delivery,
-        channel: Channel,
+        subscription: &Arc<ConsumerChannel>,
         unsettled: &Arc<AtomicUsize>,
     ) -> Self {
         let table = delivery.properties.headers().clone().unwrap_or_default();
@@ -578,18 +628,28 @@ impl RabbitDelivery {
             None => None,
         };
         unsettled.fetch_add(1, Ordering::SeqCst);
+        subscription.outstanding.fetch_add(1, Ordering::SeqCst);
         Self {
             inner: Some(delivery),
-            _channel: channel,
+            subscription: Arc::clone(subscription),
             headers,
             delivery_count,
             unsettled: Arc::clone(unsettled),
+            finished: false,
         }
     }
 
     fn take(&mut self) -> lapin::message::Delivery {
-        self.unsettled.fetch_sub(1, Ordering::SeqCst);
         self.inner.take().expect("a delivery is settled once")
+    }
+
+    /// After the ack or nack went out: counts it settled, and lets the channel close.
+    fn finish(&mut self) {
+        if !self.finished {
+            self.finished = true;
+            self.unsettled.fetch_sub(1, Ordering::SeqCst);
+            self.subscription.release();
+        }
     }
 }
 
@@ -633,41 +693,56 @@ impl Delivery for RabbitDelivery {
 
     async fn ack(mut self: Box<Self>, _token: AckToken) -> Result<(), TransportError> {
         let delivery = self.take();
-        settled(delivery.acker.ack(BasicAckOptions::default()).await, "ack")
+        let result = delivery.acker.ack(BasicAckOptions::default()).await;
+        self.finish();
+        settled(result, "ack")
     }
 
     async fn nack(mut self: Box<Self>, requeue: bool) -> Result<(), TransportError> {
         let delivery = self.take();
-        settled(
-            delivery
-                .acker
-                .nack(BasicNackOptions {
-                    requeue,
-                    multiple: false,
-                })
-                .await,
-            "nack",
-        )
+        let result = delivery
+            .acker
+            .nack(BasicNackOptions {
+                requeue,
+                multiple: false,
+            })
+            .await;
+        self.finish();
+        settled(result, "nack")
     }
 }
 
 impl Drop for RabbitDelivery {
     fn drop(&mut self) {
-        if self.inner.is_none() {
+        if self.finished {
             return;
         }
-        let delivery = self.take();
-        // Hand it back at once rather than when the channel closes.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                let _ = delivery
-                    .acker
-                    .nack(BasicNackOptions {
-                        requeue: true,
-                        multiple: false,
-                    })
-                    .await;
-            });
+        let Some(delivery) = self.inner.take() else {
+            self.finish();
+            return;
+        };
+        // Hand it back at once rather than when the channel closes; the channel stays open
+        // until the nack went out.
+        self.finished = true;
+        let (unsettled, subscription) =
+            (Arc::clone(&self.unsettled), Arc::clone(&self.subscription));
+        let hand_back = async move {
+            let _ = delivery
+                .acker
+                .nack(BasicNackOptions {
+                    requeue: true,
+                    multiple: false,
+                })
+                .await;
+            unsettled.fetch_sub(1, Ordering::SeqCst);
+            subscription.release();
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(hand_back)),
+            Err(_) => {
+                self.unsettled.fetch_sub(1, Ordering::SeqCst);
+                self.subscription.release();
+            }
         }
     }
 }
