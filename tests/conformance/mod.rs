@@ -894,8 +894,10 @@ pub async fn poison_messages_are_dead_lettered<D: TestDb>(
         "{stats:?}"
     );
 
-    // A later copy of a dead message is discarded, not handled again.
-    let running = Running::start(&consumer, 1);
+    // A later copy of a dead message is discarded, not handled again. (As many instances as
+    // before: tansu 0.6 does not complete a group's rebalance when fewer members come back after
+    // all left — see the README's notes on tansu.)
+    let running = Running::start(&consumer, 2);
     s.publish(&permanent, 0).await;
     eventually("the copy is discarded", || async {
         s.broker.settled(&s.source, &[&name]).await?;

@@ -33,7 +33,9 @@ use inbox_core::{
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
+};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Header, Headers as _, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -214,6 +216,8 @@ pub struct KafkaTransport {
     admin: AdminClient<DefaultClientContext>,
     created: tokio::sync::Mutex<HashSet<String>>,
     unsettled: Arc<AtomicUsize>,
+    /// Consumers of this transport still leaving their group.
+    closing: Arc<tokio::sync::watch::Sender<usize>>,
 }
 
 impl fmt::Debug for KafkaTransport {
@@ -244,6 +248,7 @@ impl KafkaTransport {
             admin,
             created: tokio::sync::Mutex::default(),
             unsettled: Arc::default(),
+            closing: Arc::new(tokio::sync::watch::Sender::new(0)),
         })
     }
 
@@ -435,6 +440,124 @@ impl KafkaTransport {
     }
 }
 
+/// What became of a delivery, reported to its subscription's poll loop.
+enum Settlement {
+    /// Done (committed or dead-lettered): its offset may be stored.
+    Done {
+        topic: String,
+        partition: i32,
+        offset: i64,
+        generation: usize,
+    },
+    /// Handed back or dropped: its offset must not be stored.
+    Abandoned,
+}
+
+type Item = Result<Box<dyn Delivery>, TransportError>;
+
+/// A subscription's poll loop, the consumer's only owner. It polls on its own, so that
+/// rebalances are served while handlers run (a poll interval exceeded — handlers slower than
+/// `max.poll.interval.ms` — comes out as a stream error); it stores the offsets that settlements
+/// free; and after the stream is dropped it waits for the deliveries still out, commits, and
+/// closes the consumer off the async threads.
+async fn poll(
+    consumer: KafkaConsumer,
+    tracker: Arc<Tracker>,
+    sender: mpsc::Sender<Item>,
+    unsettled: Arc<AtomicUsize>,
+    closing: Arc<tokio::sync::watch::Sender<usize>>,
+) {
+    let (settle, mut settlements) = mpsc::unbounded_channel();
+    let mut outstanding = 0usize;
+    let mut pending: Option<Item> = None;
+    let mut streaming = true;
+    while streaming || outstanding > 0 {
+        tokio::select! {
+            Some(settlement) = settlements.recv() => {
+                outstanding -= 1;
+                if let Settlement::Done { topic, partition, offset, generation } = settlement {
+                    store(&consumer, &tracker, &topic, partition, offset, generation);
+                }
+            }
+            permit = sender.reserve(), if streaming && pending.is_some() => match permit {
+                Ok(permit) => {
+                    let item = pending.take().expect("checked");
+                    // An error ends this stream: the consumer subscribes again with a new one.
+                    streaming = item.is_ok();
+                    permit.send(item);
+                }
+                Err(_) => {
+                    streaming = false;
+                    pending = None;
+                }
+            },
+            () = sender.closed(), if streaming && pending.is_none() => streaming = false,
+            next = consumer.recv(), if streaming && pending.is_none() => {
+                pending = Some(match next {
+                    Ok(message) => {
+                        let generation = tracker.delivered(message.topic(), message.partition(), message.offset());
+                        outstanding += 1;
+                        unsettled.fetch_add(1, Ordering::SeqCst);
+                        Ok(Box::new(KafkaDelivery {
+                            topic: message.topic().to_owned(),
+                            partition: message.partition(),
+                            offset: message.offset(),
+                            generation,
+                            ordering_key: format!("{}/{}", message.topic(), message.partition()),
+                            payload: message.payload().unwrap_or_default().to_vec(),
+                            headers: headers_of(&message),
+                            settle: Some(settle.clone()),
+                            unsettled: Arc::clone(&unsettled),
+                        }) as Box<dyn Delivery>)
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "kafka consumer error");
+                        Err(transient(e))
+                    }
+                });
+            }
+        }
+    }
+    // Closing blocks (commit, leave the group): not on the async threads.
+    closing.send_modify(|n| *n += 1);
+    let closed = tokio::task::spawn_blocking(move || {
+        if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
+            tracing::debug!(error = %e, "final commit");
+        }
+        drop(consumer);
+    });
+    let _ = closed.await;
+    closing.send_modify(|n| *n -= 1);
+}
+
+/// Stores the offset a done record frees, if the contiguous done prefix of its partition grew.
+fn store(
+    consumer: &KafkaConsumer,
+    tracker: &Tracker,
+    topic: &str,
+    partition: i32,
+    offset: i64,
+    generation: usize,
+) {
+    let Some(next) = tracker.done(topic, partition, offset, generation) else {
+        return;
+    };
+    // store_offsets stores exactly the offset given — the next record to read — unlike
+    // store_offset, which adds one (rust-rdkafka PR #851).
+    let mut list = TopicPartitionList::new();
+    if list
+        .add_partition_offset(topic, partition, Offset::Offset(next))
+        .is_err()
+    {
+        return;
+    }
+    if let Err(e) = consumer.store_offsets(&list) {
+        // The partition moved to another instance: it will deliver the record again and the
+        // inbox will discard it.
+        tracing::debug!(error = %e, topic, partition, "offset not stored");
+    }
+}
+
 fn headers_of(message: &BorrowedMessage<'_>) -> Headers {
     let mut headers = Headers::new();
     if let Some(list) = message.headers() {
@@ -475,56 +598,23 @@ impl Transport for KafkaTransport {
             topics.push(dead_letter);
         }
         self.create_topics(&topics).await?;
+        // A consumer of this process that is still leaving the group would make the group
+        // rebalance again as soon as this one joins (and some brokers wait for it): let it go first.
+        let mut closing = self.closing.subscribe();
+        let _ = tokio::time::timeout(Duration::from_secs(30), closing.wait_for(|n| *n == 0)).await;
         let tracker = Arc::new(Tracker::default());
-        let consumer = Arc::new(self.consumer(subscription.consumer.as_str(), &tracker)?);
+        let consumer = self.consumer(subscription.consumer.as_str(), &tracker)?;
         consumer
             .subscribe(&[&subscription.source])
             .map_err(transient)?;
         let (sender, receiver) = mpsc::channel(usize::from(subscription.prefetch.max(1)));
-        let unsettled = Arc::clone(&self.unsettled);
-        // Polls on its own, so that rebalances are served while handlers run; a poll interval
-        // exceeded (handlers slower than max.poll.interval.ms) comes out as a stream error.
-        tokio::spawn(async move {
-            loop {
-                let next = tokio::select! {
-                    () = sender.closed() => break,
-                    next = consumer.recv() => next,
-                };
-                let item = match next {
-                    Ok(message) => {
-                        let generation = tracker.delivered(
-                            message.topic(),
-                            message.partition(),
-                            message.offset(),
-                        );
-                        Ok(Box::new(KafkaDelivery {
-                            topic: message.topic().to_owned(),
-                            partition: message.partition(),
-                            offset: message.offset(),
-                            generation,
-                            ordering_key: format!("{}/{}", message.topic(), message.partition()),
-                            payload: message.payload().unwrap_or_default().to_vec(),
-                            headers: headers_of(&message),
-                            consumer: Arc::clone(&consumer),
-                            tracker: Arc::clone(&tracker),
-                            unsettled: Arc::clone(&unsettled),
-                            settled: false,
-                        }) as Box<dyn Delivery>)
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "kafka consumer error");
-                        Err(transient(e))
-                    }
-                };
-                let failed = item.is_err();
-                if item.is_ok() {
-                    unsettled.fetch_add(1, Ordering::SeqCst);
-                }
-                if sender.send(item).await.is_err() || failed {
-                    break;
-                }
-            }
-        });
+        tokio::spawn(poll(
+            consumer,
+            tracker,
+            sender,
+            Arc::clone(&self.unsettled),
+            Arc::clone(&self.closing),
+        ));
         Ok(Box::pin(futures::stream::unfold(
             receiver,
             |mut receiver| async move { receiver.recv().await.map(|item| (item, receiver)) },
@@ -566,8 +656,8 @@ impl Transport for KafkaTransport {
     }
 }
 
-/// A record from Kafka. Acking stores its offset once every earlier record of its partition is
-/// done; dropping or nacking it leaves the partition's offset where it is.
+/// A record from Kafka. Acking frees its offset to be stored once every earlier record of its
+/// partition is done; dropping or nacking it leaves the partition's offset where it is.
 pub struct KafkaDelivery {
     topic: String,
     partition: i32,
@@ -576,10 +666,8 @@ pub struct KafkaDelivery {
     ordering_key: String,
     payload: Vec<u8>,
     headers: Headers,
-    consumer: Arc<KafkaConsumer>,
-    tracker: Arc<Tracker>,
+    settle: Option<mpsc::UnboundedSender<Settlement>>,
     unsettled: Arc<AtomicUsize>,
-    settled: bool,
 }
 
 impl fmt::Debug for KafkaDelivery {
@@ -593,10 +681,11 @@ impl fmt::Debug for KafkaDelivery {
 }
 
 impl KafkaDelivery {
-    fn settle(&mut self) {
-        if !self.settled {
-            self.settled = true;
+    fn settle(&mut self, settlement: Settlement) {
+        if let Some(settle) = self.settle.take() {
             self.unsettled.fetch_sub(1, Ordering::SeqCst);
+            // The poll loop outlives every delivery it handed out; a failed send means it is gone.
+            let _ = settle.send(settlement);
         }
     }
 }
@@ -628,35 +717,25 @@ impl Delivery for KafkaDelivery {
     }
 
     async fn ack(mut self: Box<Self>, _token: AckToken) -> Result<(), TransportError> {
-        self.settle();
-        let Some(next) =
-            self.tracker
-                .done(&self.topic, self.partition, self.offset, self.generation)
-        else {
-            return Ok(());
+        let settlement = Settlement::Done {
+            topic: self.topic.clone(),
+            partition: self.partition,
+            offset: self.offset,
+            generation: self.generation,
         };
-        // store_offsets stores exactly the offset given — the next record to read — unlike
-        // store_offset, which adds one (rust-rdkafka PR #851).
-        let mut list = TopicPartitionList::new();
-        list.add_partition_offset(&self.topic, self.partition, Offset::Offset(next))
-            .map_err(transient)?;
-        if let Err(e) = self.consumer.store_offsets(&list) {
-            // The partition moved to another instance: it will deliver the record again and the
-            // inbox will discard it.
-            tracing::debug!(error = %e, topic = %self.topic, partition = self.partition, "offset not stored");
-        }
+        self.settle(settlement);
         Ok(())
     }
 
     async fn nack(mut self: Box<Self>, _requeue: bool) -> Result<(), TransportError> {
-        self.settle();
+        self.settle(Settlement::Abandoned);
         Ok(())
     }
 }
 
 impl Drop for KafkaDelivery {
     fn drop(&mut self) {
-        self.settle();
+        self.settle(Settlement::Abandoned);
     }
 }
 
