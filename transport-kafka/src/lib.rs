@@ -305,24 +305,13 @@ impl KafkaTransport {
     /// How many records of `topic` the consumer group `group` has not committed yet (records
     /// after its committed offset, or all of them when it has none), summed over partitions.
     pub async fn lag(&self, topic: &str, group: &str) -> Result<i64, TransportError> {
-        let consumer: BaseConsumer = self
-            .config
-            .client()
-            .set("group.id", group)
-            .set("enable.auto.commit", "false")
-            .create()
-            .map_err(|e| TransportError::Config(e.to_string()))?;
+        let consumer = self.inspector(group)?;
         let topic = topic.to_owned();
         tokio::task::spawn_blocking(move || {
             let timeout = Duration::from_secs(10);
-            let metadata = consumer
-                .fetch_metadata(Some(&topic), timeout)
-                .map_err(transient)?;
             let mut list = TopicPartitionList::new();
-            for t in metadata.topics() {
-                for p in t.partitions() {
-                    list.add_partition(&topic, p.id());
-                }
+            for partition in partitions(&consumer, &topic)? {
+                list.add_partition(&topic, partition);
             }
             let committed = consumer
                 .committed_offsets(list, timeout)
@@ -347,31 +336,20 @@ impl KafkaTransport {
     /// Every record in `topic`, from the beginning to the current end (for reading a dead-letter
     /// topic).
     pub async fn read_topic(&self, topic: &str) -> Result<Vec<OutgoingMessage>, TransportError> {
-        let consumer: BaseConsumer = self
-            .config
-            .client()
-            .set("group.id", "inbox-reader")
-            .set("enable.auto.commit", "false")
-            .create()
-            .map_err(|e| TransportError::Config(e.to_string()))?;
+        let consumer = self.inspector("inbox-reader")?;
         let topic = topic.to_owned();
         tokio::task::spawn_blocking(move || {
             let timeout = Duration::from_secs(10);
-            let metadata = consumer
-                .fetch_metadata(Some(&topic), timeout)
-                .map_err(transient)?;
             let mut list = TopicPartitionList::new();
             let mut ends = HashMap::new();
-            for t in metadata.topics() {
-                for p in t.partitions() {
-                    let (low, high) = consumer
-                        .fetch_watermarks(&topic, p.id(), timeout)
+            for partition in partitions(&consumer, &topic)? {
+                let (low, high) = consumer
+                    .fetch_watermarks(&topic, partition, timeout)
+                    .map_err(transient)?;
+                if high > low {
+                    list.add_partition_offset(&topic, partition, Offset::Offset(low))
                         .map_err(transient)?;
-                    if high > low {
-                        list.add_partition_offset(&topic, p.id(), Offset::Offset(low))
-                            .map_err(transient)?;
-                        ends.insert(p.id(), high);
-                    }
+                    ends.insert(partition, high);
                 }
             }
             let mut records = Vec::new();
@@ -403,6 +381,16 @@ impl KafkaTransport {
         })
         .await
         .map_err(|e| TransportError::Disconnected(Box::new(e)))?
+    }
+
+    /// A consumer for looking at a group or a topic without joining anything.
+    fn inspector(&self, group: &str) -> Result<BaseConsumer, TransportError> {
+        self.config
+            .client()
+            .set("group.id", group)
+            .set("enable.auto.commit", "false")
+            .create()
+            .map_err(|e| TransportError::Config(e.to_string()))
     }
 
     fn consumer(
@@ -438,6 +426,18 @@ impl KafkaTransport {
             })
             .map_err(|e| TransportError::Config(e.to_string()))
     }
+}
+
+/// The partitions of `topic` (blocking).
+fn partitions(consumer: &BaseConsumer, topic: &str) -> Result<Vec<i32>, TransportError> {
+    let metadata = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .map_err(transient)?;
+    Ok(metadata
+        .topics()
+        .iter()
+        .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+        .collect())
 }
 
 /// What became of a delivery, reported to its subscription's poll loop.
