@@ -207,6 +207,92 @@ mod tests {
         assert!(MessageId::new("'; DROP TABLE inbox_messages; --").is_ok());
     }
 
+    /// Just enough of a delivery to extract ids from.
+    #[derive(Debug, Default)]
+    struct Fake {
+        broker_id: Option<Vec<u8>>,
+        headers: crate::Headers,
+        payload: Vec<u8>,
+        coordinates: Option<String>,
+    }
+
+    #[async_trait::async_trait]
+    impl Delivery for Fake {
+        fn payload(&self) -> &[u8] {
+            &self.payload
+        }
+        fn headers(&self) -> &crate::Headers {
+            &self.headers
+        }
+        fn broker_message_id(&self) -> Option<&[u8]> {
+            self.broker_id.as_deref()
+        }
+        fn redelivered(&self) -> bool {
+            false
+        }
+        fn coordinates(&self) -> Option<String> {
+            self.coordinates.clone()
+        }
+        async fn ack(self: Box<Self>, _: crate::AckToken) -> Result<(), crate::TransportError> {
+            Ok(())
+        }
+        async fn nack(self: Box<Self>, _: bool) -> Result<(), crate::TransportError> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn strategies_find_the_producers_id_or_say_why_not() {
+        let with_header = Fake {
+            headers: crate::Headers::new().with("message-id", "from-header"),
+            ..Fake::default()
+        };
+        let both = Fake {
+            broker_id: Some(b"from-broker".to_vec()),
+            ..with_header
+        };
+        let id = |strategy: &IdStrategy, d: &Fake| strategy.extract(d).map(|id| id.to_string());
+        assert_eq!(id(&IdStrategy::default(), &both).unwrap(), "from-broker");
+        let header_only = Fake {
+            headers: crate::Headers::new().with("message-id", "from-header"),
+            ..Fake::default()
+        };
+        assert_eq!(
+            id(&IdStrategy::default(), &header_only).unwrap(),
+            "from-header"
+        );
+        assert!(
+            id(&IdStrategy::BrokerId, &header_only)
+                .unwrap_err()
+                .to_string()
+                .contains("not set")
+        );
+        assert_eq!(
+            id(&IdStrategy::Header("message-id".into()), &both).unwrap(),
+            "from-header"
+        );
+
+        let hashed = |payload: &[u8]| {
+            id(
+                &IdStrategy::ContentHash,
+                &Fake {
+                    payload: payload.to_vec(),
+                    ..Fake::default()
+                },
+            )
+        };
+        assert_eq!(hashed(b"same").unwrap(), hashed(b"same").unwrap());
+        assert_ne!(hashed(b"same").unwrap(), hashed(b"other").unwrap());
+        assert_eq!(hashed(b"").unwrap().len(), 64);
+
+        let at = Fake {
+            coordinates: Some("parcels/2/17".into()),
+            ..Fake::default()
+        };
+        assert_eq!(id(&IdStrategy::Coordinates, &at).unwrap(), "parcels/2/17");
+        assert!(id(&IdStrategy::Coordinates, &Fake::default()).is_err());
+    }
+
     #[test]
     fn consumer_name_rules() {
         assert!(ConsumerName::new("notification").is_ok());
