@@ -213,6 +213,26 @@ impl Db {
         Ok(db)
     }
 
+    /// Runs the chosen consumers on this store until `token` is cancelled.
+    async fn run_consumers(
+        self,
+        transport: Arc<dyn Transport>,
+        source: &str,
+        which: Which,
+        concurrency: usize,
+        instances: usize,
+        token: CancellationToken,
+    ) -> Result<Vec<(String, inbox::ConsumerReport)>, Error> {
+        match self {
+            Db::Postgres(s) => {
+                run_consumers(s, transport, source, which, concurrency, instances, token).await
+            }
+            Db::Sqlite(s) => {
+                run_consumers(s, transport, source, which, concurrency, instances, token).await
+            }
+        }
+    }
+
     async fn report(&self) -> Result<Report, Error> {
         Ok(match self {
             Db::Postgres(s) => Report::read(s, s.pool()).await?,
@@ -305,32 +325,16 @@ async fn consume(args: ConsumeArgs) -> Result<ExitCode, Error> {
     let db = Db::open(&args.database).await?;
     let token = CancellationToken::new();
     tokio::spawn(shutdown_signal(token.clone()));
-    let reports = match db {
-        Db::Postgres(s) => {
-            run_consumers(
-                s,
-                transport,
-                &args.source,
-                args.consumer,
-                args.concurrency,
-                1,
-                token,
-            )
-            .await?
-        }
-        Db::Sqlite(s) => {
-            run_consumers(
-                s,
-                transport,
-                &args.source,
-                args.consumer,
-                args.concurrency,
-                1,
-                token,
-            )
-            .await?
-        }
-    };
+    let reports = db
+        .run_consumers(
+            transport,
+            &args.source,
+            args.consumer,
+            args.concurrency,
+            1,
+            token,
+        )
+        .await?;
     for (name, r) in reports {
         eprintln!(
             "{name}: deliveries {} processed {} duplicates {} failed {} dead-lettered {}",
@@ -431,14 +435,8 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, Error> {
         let (broker, token) = (broker.clone(), token.clone());
         let transport: Arc<dyn Transport> = Arc::new(broker);
         tokio::spawn(async move {
-            match db {
-                Db::Postgres(s) => {
-                    run_consumers(s, transport, source, Which::Both, 4, 2, token).await
-                }
-                Db::Sqlite(s) => {
-                    run_consumers(s, transport, source, Which::Both, 4, 2, token).await
-                }
-            }
+            db.run_consumers(transport, source, Which::Both, 4, 2, token)
+                .await
         })
     };
     let reporter = Db::open(&url).await?;
