@@ -6,7 +6,11 @@ mod conformance;
 
 use conformance::kafka::Kafka;
 
-conformance_suite!(kafka_postgres, Kafka, async {
+conformance_suite!(kafka_postgres, Kafka { ordered: true }, async {
+    conformance::stores::Postgres
+});
+// Partitions' records handled concurrently: offsets must still be stored only contiguously.
+conformance_suite!(kafka_unordered_postgres, Kafka { ordered: false }, async {
     conformance::stores::Postgres
 });
 

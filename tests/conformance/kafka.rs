@@ -10,8 +10,11 @@ use inbox::{ConsumerName, OutgoingMessage, Transport};
 
 use super::{BrokerFactory, TestBroker, services};
 
-/// A transport per scenario (topics and groups are unique per scenario).
-pub struct Kafka;
+/// A transport per scenario (topics and groups are unique per scenario); `ordered: false` handles
+/// records concurrently whatever their partition.
+pub struct Kafka {
+    pub ordered: bool,
+}
 
 pub struct KafkaTestBroker {
     pub transport: Arc<KafkaTransport>,
@@ -21,7 +24,8 @@ impl Kafka {
     pub fn start_kafka(&self) -> KafkaTestBroker {
         let config = KafkaConfig::new(services::kafka_brokers())
             .commit_interval(Duration::from_millis(100))
-            .session_timeout(Duration::from_secs(6));
+            .session_timeout(Duration::from_secs(6))
+            .ordered(self.ordered);
         KafkaTestBroker {
             transport: Arc::new(
                 KafkaTransport::new(config).expect("a Kafka client for KAFKA_BROKERS"),

@@ -275,6 +275,24 @@ impl<D: TestDb> Scenario<D> {
         self.db.effects(&self.store, &self.run).await
     }
 
+    /// The dead letters of this run's source, once at least `n` can be read. (Some brokers show a
+    /// topic's end a little after the publish was confirmed, and a read may come back short.)
+    pub async fn dead_letters(&self, n: usize) -> Vec<OutgoingMessage> {
+        let read = Mutex::new(Vec::new());
+        eventually("dead letters readable", || async {
+            let letters = self.broker.published(&self.dead_letter_destination()).await;
+            let count = letters.len();
+            *read.lock().unwrap() = letters;
+            if count >= n {
+                Ok(())
+            } else {
+                Err(format!("{count} of {n} dead letters"))
+            }
+        })
+        .await;
+        read.into_inner().unwrap()
+    }
+
     /// Waits until at least `target` effects exist.
     pub async fn wait_for_effects(&self, target: i64) {
         eventually("progress", || async {
@@ -752,17 +770,7 @@ pub async fn invalid_ids_are_dead_lettered<D: TestDb>(brokers: &dyn BrokerFactor
     s.wait_for(&[&name], 2).await;
     running.stop().await;
     s.assert_exactly_once(&[&name], &[before, after]).await;
-    // Some brokers show a topic's end a little after the publish was confirmed.
-    eventually("every dead letter readable", || async {
-        let n = s.broker.published(&s.dead_letter_destination()).await.len();
-        if n >= bad.len() {
-            Ok(())
-        } else {
-            Err(format!("{n} dead letters"))
-        }
-    })
-    .await;
-    let dead = s.broker.published(&s.dead_letter_destination()).await;
+    let dead = s.dead_letters(bad.len()).await;
     assert_eq!(dead.len(), bad.len(), "{dead:?}");
     for letter in &dead {
         assert_eq!(header(letter, dead_letter_headers::CONSUMER), name.as_str());
@@ -813,15 +821,7 @@ pub async fn poison_messages_are_dead_lettered<D: TestDb>(
     let consumer = s.consumer(&name, &script).max_payload_bytes(1024);
     let running = Running::start(&consumer, 2);
     s.wait_for(&[&name], good.len()).await;
-    eventually("four dead letters", || async {
-        let n = s.broker.published(&s.dead_letter_destination()).await.len();
-        if n >= 4 {
-            Ok(())
-        } else {
-            Err(format!("{n} dead letters"))
-        }
-    })
-    .await;
+    s.dead_letters(4).await;
     eventually("settled", || async {
         s.broker.settled(&s.source, &[&name]).await
     })
@@ -840,7 +840,7 @@ pub async fn poison_messages_are_dead_lettered<D: TestDb>(
         0,
         "too large: never handed to the handler"
     );
-    let dead = s.broker.published(&s.dead_letter_destination()).await;
+    let dead = s.dead_letters(4).await;
     assert_eq!(dead.len(), 4, "{dead:?}");
     let by_id: HashMap<&str, &OutgoingMessage> = dead
         .iter()

@@ -57,6 +57,9 @@ pub struct KafkaConfig {
     /// The consumers' `session.timeout.ms`: how long a vanished instance keeps its partitions.
     /// `None`: librdkafka's default (45 s).
     pub session_timeout: Option<Duration>,
+    /// Handle each partition's records one after another, in order (default). Off: records are
+    /// handled concurrently whatever their partition; offsets are still stored contiguously.
+    pub ordered: bool,
     /// Extra client settings, applied last (for example `security.protocol`).
     pub extra: Vec<(String, String)>,
 }
@@ -70,6 +73,7 @@ impl KafkaConfig {
             replication: 1,
             commit_interval: Duration::from_secs(1),
             session_timeout: None,
+            ordered: true,
             extra: Vec::new(),
         }
     }
@@ -83,6 +87,12 @@ impl KafkaConfig {
     /// Sets the commit interval.
     pub fn commit_interval(mut self, every: Duration) -> Self {
         self.commit_interval = every;
+        self
+    }
+
+    /// Sets `ordered`.
+    pub fn ordered(mut self, ordered: bool) -> Self {
+        self.ordered = ordered;
         self
     }
 
@@ -466,6 +476,7 @@ async fn poll(
     sender: mpsc::Sender<Item>,
     unsettled: Arc<AtomicUsize>,
     closing: Arc<tokio::sync::watch::Sender<usize>>,
+    ordered: bool,
 ) {
     let (settle, mut settlements) = mpsc::unbounded_channel();
     let mut outstanding = 0usize;
@@ -503,7 +514,8 @@ async fn poll(
                             partition: message.partition(),
                             offset: message.offset(),
                             generation,
-                            ordering_key: format!("{}/{}", message.topic(), message.partition()),
+                            ordering_key: ordered
+                                .then(|| format!("{}/{}", message.topic(), message.partition())),
                             payload: message.payload().unwrap_or_default().to_vec(),
                             headers: headers_of(&message),
                             settle: Some(settle.clone()),
@@ -581,7 +593,7 @@ impl Transport for KafkaTransport {
         Capabilities::basic()
             .with_requeue(false)
             .with_coordinates(true)
-            .with_ordered(true)
+            .with_ordered(self.config.ordered)
     }
 
     async fn declare(&self, subscription: &Subscription) -> Result<(), TransportError> {
@@ -614,6 +626,7 @@ impl Transport for KafkaTransport {
             sender,
             Arc::clone(&self.unsettled),
             Arc::clone(&self.closing),
+            self.config.ordered,
         ));
         Ok(Box::pin(futures::stream::unfold(
             receiver,
@@ -663,7 +676,7 @@ pub struct KafkaDelivery {
     partition: i32,
     offset: i64,
     generation: usize,
-    ordering_key: String,
+    ordering_key: Option<String>,
     payload: Vec<u8>,
     headers: Headers,
     settle: Option<mpsc::UnboundedSender<Settlement>>,
@@ -713,7 +726,7 @@ impl Delivery for KafkaDelivery {
     }
 
     fn ordering_key(&self) -> Option<&str> {
-        Some(&self.ordering_key)
+        self.ordering_key.as_deref()
     }
 
     async fn ack(mut self: Box<Self>, _token: AckToken) -> Result<(), TransportError> {
