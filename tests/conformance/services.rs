@@ -9,100 +9,96 @@ fn docker_reachable() -> bool {
         || std::path::Path::new("/var/run/docker.sock").exists()
 }
 
-fn missing(var: &str, example: &str) -> ! {
-    panic!(
-        "{var} is not set and no Docker engine is reachable for testcontainers. \
-         Set {var} (for example {var}={example}) or run scripts/test, which starts the services."
-    )
+/// `var`'s value, else the address of a container started once per test process, else a panic
+/// that says what to set.
+fn locate(
+    cell: &'static OnceLock<String>,
+    var: &str,
+    example: &str,
+    start: fn() -> String,
+) -> String {
+    cell.get_or_init(|| {
+        if let Ok(value) = std::env::var(var) {
+            return value;
+        }
+        if !docker_reachable() {
+            panic!(
+                "{var} is not set and no Docker engine is reachable for testcontainers. \
+                 Set {var} (for example {var}={example}) or run scripts/test, which starts the \
+                 services."
+            );
+        }
+        start()
+    })
+    .clone()
 }
 
 /// The PostgreSQL URL for the tests.
 pub fn postgres_url() -> String {
     static URL: OnceLock<String> = OnceLock::new();
-    URL.get_or_init(|| {
-        if let Ok(url) = std::env::var("DATABASE_URL") {
-            return url;
-        }
-        if !docker_reachable() {
-            missing("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
-        }
-        containers::postgres()
-    })
-    .clone()
-}
-
-mod containers {
-    use testcontainers_modules::kafka::apache::Kafka;
-    use testcontainers_modules::postgres::Postgres;
-    use testcontainers_modules::rabbitmq::RabbitMq;
-    use testcontainers_modules::testcontainers::runners::SyncRunner;
-
-    /// Starts PostgreSQL in a container kept for the life of the test process.
-    pub fn postgres() -> String {
-        let container = Postgres::default()
-            .start()
-            .expect("starting a PostgreSQL container with testcontainers");
-        let port = container
-            .get_host_port_ipv4(5432)
-            .expect("the PostgreSQL container's port");
-        // Leaked on purpose: the container lives as long as the test binary (testcontainers'
-        // reaper removes it afterwards).
-        std::mem::forget(container);
-        format!("postgres://postgres:postgres@127.0.0.1:{port}/postgres")
-    }
-
-    /// Starts Kafka (KRaft) in a container kept for the life of the test process.
-    pub fn kafka() -> String {
-        let container = Kafka::default()
-            .start()
-            .expect("starting a Kafka container with testcontainers");
-        let port = container
-            .get_host_port_ipv4(testcontainers_modules::kafka::apache::KAFKA_PORT)
-            .expect("the Kafka container's port");
-        std::mem::forget(container);
-        format!("127.0.0.1:{port}")
-    }
-
-    /// Starts RabbitMQ in a container kept for the life of the test process.
-    pub fn rabbitmq() -> String {
-        let container = RabbitMq::default()
-            .start()
-            .expect("starting a RabbitMQ container with testcontainers");
-        let port = container
-            .get_host_port_ipv4(5672)
-            .expect("the RabbitMQ container's port");
-        std::mem::forget(container);
-        format!("amqp://guest:guest@127.0.0.1:{port}/%2f")
-    }
+    locate(
+        &URL,
+        "DATABASE_URL",
+        "postgres://postgres@127.0.0.1:5432/test",
+        containers::postgres,
+    )
 }
 
 /// The AMQP URL for the tests.
 pub fn amqp_url() -> String {
     static URL: OnceLock<String> = OnceLock::new();
-    URL.get_or_init(|| {
-        if let Ok(url) = std::env::var("AMQP_URL") {
-            return url;
-        }
-        if !docker_reachable() {
-            missing("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f");
-        }
-        containers::rabbitmq()
-    })
-    .clone()
+    locate(
+        &URL,
+        "AMQP_URL",
+        "amqp://guest:guest@127.0.0.1:5672/%2f",
+        containers::rabbitmq,
+    )
 }
 
 /// The Kafka bootstrap servers for the tests.
 pub fn kafka_brokers() -> String {
     static BROKERS: OnceLock<String> = OnceLock::new();
-    BROKERS
-        .get_or_init(|| {
-            if let Ok(brokers) = std::env::var("KAFKA_BROKERS") {
-                return brokers;
-            }
-            if !docker_reachable() {
-                missing("KAFKA_BROKERS", "127.0.0.1:9092");
-            }
-            containers::kafka()
-        })
-        .clone()
+    locate(
+        &BROKERS,
+        "KAFKA_BROKERS",
+        "127.0.0.1:9092",
+        containers::kafka,
+    )
+}
+
+mod containers {
+    use testcontainers_modules::kafka::apache::{KAFKA_PORT, Kafka};
+    use testcontainers_modules::postgres::Postgres;
+    use testcontainers_modules::rabbitmq::RabbitMq;
+    use testcontainers_modules::testcontainers::Image;
+    use testcontainers_modules::testcontainers::core::ContainerPort;
+    use testcontainers_modules::testcontainers::runners::SyncRunner;
+
+    /// Starts `image` and returns its host port for `port`. The container is leaked on purpose:
+    /// it lives as long as the test binary (testcontainers' reaper removes it afterwards).
+    fn start<I: Image>(image: I, what: &str, port: impl Into<ContainerPort>) -> u16 {
+        let container = image
+            .start()
+            .unwrap_or_else(|e| panic!("starting a {what} container with testcontainers: {e}"));
+        let host_port = container
+            .get_host_port_ipv4(port)
+            .unwrap_or_else(|e| panic!("the {what} container's port: {e}"));
+        std::mem::forget(container);
+        host_port
+    }
+
+    pub fn postgres() -> String {
+        let port = start(Postgres::default(), "PostgreSQL", 5432);
+        format!("postgres://postgres:postgres@127.0.0.1:{port}/postgres")
+    }
+
+    pub fn rabbitmq() -> String {
+        let port = start(RabbitMq::default(), "RabbitMQ", 5672);
+        format!("amqp://guest:guest@127.0.0.1:{port}/%2f")
+    }
+
+    pub fn kafka() -> String {
+        let port = start(Kafka::default(), "Kafka", KAFKA_PORT);
+        format!("127.0.0.1:{port}")
+    }
 }
