@@ -17,6 +17,7 @@ use crate::handler::Handler;
 use crate::id::{ConsumerName, IdStrategy, MessageId};
 use crate::message::{Message, OutgoingMessage};
 use crate::metrics::Metrics;
+use crate::outage::{Outage, Throttle};
 use crate::retry::RetryPolicy;
 use crate::store::{Claim, InboxStore};
 use crate::transport::{AckToken, Delivery, Subscription, Transport};
@@ -126,6 +127,20 @@ struct Inner<S: InboxStore, H> {
     handler: H,
     settings: Settings,
     counters: Counters,
+    /// Shared by all instances: while the store is down, one task probes and none takes new
+    /// deliveries.
+    store_outage: Outage,
+    /// Acks lost with a connection come in bursts: one log line per interval.
+    lost_acks: Throttle,
+    /// Subscribe failures while the broker is down: one log line per interval.
+    broker_down: Throttle,
+}
+
+/// How often a continuing outage is logged.
+const OUTAGE_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+fn store_outage(policy: &RetryPolicy) -> Outage {
+    Outage::new("inbox store", policy.clone(), OUTAGE_LOG_INTERVAL)
 }
 
 impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
@@ -146,16 +161,21 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
                 transport,
                 store,
                 handler,
+                store_outage: store_outage(&Settings::default().reconnect),
                 settings: Settings::default(),
                 counters: Counters::default(),
+                lost_acks: Throttle::new(OUTAGE_LOG_INTERVAL),
+                broker_down: Throttle::new(OUTAGE_LOG_INTERVAL),
             }),
         }
     }
 
+    fn inner_mut(&mut self) -> &mut Inner<S, H> {
+        Arc::get_mut(&mut self.inner).expect("configure a consumer before cloning or running it")
+    }
+
     fn settings_mut(&mut self) -> &mut Settings {
-        &mut Arc::get_mut(&mut self.inner)
-            .expect("configure a consumer before cloning or running it")
-            .settings
+        &mut self.inner_mut().settings
     }
 
     /// Handlers in flight at once per instance (at least 1).
@@ -183,9 +203,13 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
         self
     }
 
-    /// Backoff while the database or the broker is unreachable.
+    /// Backoff while the database or the broker is unreachable (default: 100 ms doubling up to
+    /// 5 s, with jitter). While the database is down, one task probes it at these delays, the
+    /// others wait, and no new deliveries are taken.
     pub fn reconnect_backoff(mut self, policy: RetryPolicy) -> Self {
-        self.settings_mut().reconnect = policy;
+        let inner = self.inner_mut();
+        inner.store_outage = store_outage(&policy);
+        inner.settings.reconnect = policy;
         self
     }
 
@@ -263,7 +287,9 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
             let mut stream = match subscribed {
                 Ok(stream) => stream,
                 Err(e) if e.is_transient() => {
-                    tracing::warn!(consumer = %inner.name, error = %e, "subscribe failed; retrying");
+                    if let Some(n) = inner.broker_down.due() {
+                        tracing::warn!(consumer = %inner.name, error = %e, failures = n, "cannot subscribe; retrying with backoff");
+                    }
                     if !sleep_unless_stopped(next_delay(&mut reconnect), &stop).await {
                         break;
                     }
@@ -281,6 +307,10 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
                     () = stop.cancelled() => break 'subscribe,
                     p = Arc::clone(&permits).acquire_owned() => p.expect("the semaphore is never closed"),
                 };
+                // No new deliveries while the store is down: they would only wait in memory.
+                if !inner.store_outage.is_up() && !inner.store_outage.wait_until_up(&stop).await {
+                    break 'subscribe;
+                }
                 let next = tokio::select! {
                     biased;
                     () = stop.cancelled() => break 'subscribe,
@@ -543,16 +573,12 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
         }
 
         let mut retry_delays = self.settings.retry.delays();
-        let mut outage_delays = self.settings.reconnect.delays();
         let mut local_retries = 0u32;
         loop {
             let mut tx = match self.store.begin().await {
                 Ok(tx) => tx,
                 Err(e) => {
-                    if self
-                        .wait_out_store_error(e, &mut outage_delays, stop)
-                        .await?
-                    {
+                    if self.wait_out_store_error(e, stop).await? {
                         continue;
                     }
                     return Ok(self.hand_back(delivery).await);
@@ -565,16 +591,13 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
                 Ok(claim) => claim,
                 Err(e) => {
                     drop(tx);
-                    if self
-                        .wait_out_store_error(e, &mut outage_delays, stop)
-                        .await?
-                    {
+                    if self.wait_out_store_error(e, stop).await? {
                         continue;
                     }
                     return Ok(self.hand_back(delivery).await);
                 }
             };
-            outage_delays = self.settings.reconnect.delays();
+            self.store_outage.succeeded();
             let (attempts, last_error) = match claim {
                 Claim::Done | Claim::Dead => {
                     let _ = self.store.rollback(tx).await;
@@ -661,7 +684,8 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
                     self.hand_back(delivery).await;
                     return Err(ConsumerError::Store(e));
                 }
-                tracing::warn!(error = %e, "could not record the failed attempt");
+                // The store is down: the next claim waits for it.
+                self.store_outage.note(&e);
             }
             if attempt >= self.settings.retry.max_attempts {
                 // The next claim sees the limit reached and dead-letters under the row lock.
@@ -721,11 +745,11 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
     }
 
     /// A store error on the way to a claim: permanent ones stop the consumer; transient ones
-    /// are waited out with backoff. Returns false when shutdown came first.
+    /// are waited out (one task probes with backoff, the others wait for it). Returns false when
+    /// shutdown came first.
     async fn wait_out_store_error(
         &self,
         error: StoreError,
-        delays: &mut impl Iterator<Item = Duration>,
         stop: &CancellationToken,
     ) -> Result<bool, ConsumerError> {
         if !error.is_transient() {
@@ -733,9 +757,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
             stop.cancel();
             return Err(ConsumerError::Store(error));
         }
-        let delay = next_delay(delays);
-        tracing::warn!(error = %error, retry_in = ?delay, "inbox store unavailable; waiting");
-        Ok(sleep_unless_stopped(delay, stop).await)
+        Ok(self.store_outage.failed(&error, stop).await)
     }
 
     /// Dead-letters a claimed message: publish, mark dead in the claim's transaction, commit, ack.
@@ -885,7 +907,9 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
     async fn ack(&self, delivery: Box<dyn Delivery>) {
         if let Err(e) = delivery.ack(AckToken::new()).await {
             bump(&self.counters.ack_failures);
-            tracing::warn!(error = %e, "ack lost; the broker will redeliver and the inbox will discard the copy");
+            if let Some(n) = self.lost_acks.due() {
+                tracing::warn!(error = %e, lost = n, "ack lost; the broker will redeliver and the inbox will discard the copy");
+            }
         }
     }
 

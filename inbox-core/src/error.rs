@@ -77,6 +77,9 @@ pub enum TransportError {
     /// The transport is configured wrongly (permanent).
     #[error("invalid transport configuration: {0}")]
     Config(String),
+    /// This transport cannot do what was asked (permanent).
+    #[error("not supported by this transport: {0}")]
+    Unsupported(&'static str),
 }
 
 impl TransportError {
@@ -86,7 +89,9 @@ impl TransportError {
             TransportError::Disconnected(_)
             | TransportError::NotConfirmed(_)
             | TransportError::AckLost(_) => ErrorKind::Transient,
-            TransportError::Refused(_) | TransportError::Config(_) => ErrorKind::Permanent,
+            TransportError::Refused(_)
+            | TransportError::Config(_)
+            | TransportError::Unsupported(_) => ErrorKind::Permanent,
         }
     }
 

@@ -17,6 +17,8 @@ mod handler;
 mod id;
 mod message;
 pub mod metrics;
+mod outage;
+pub mod replay;
 mod retry;
 pub mod store;
 mod transport;
@@ -31,6 +33,7 @@ pub use id::{
     MessageId,
 };
 pub use message::{Headers, Message, OutgoingMessage};
+pub use replay::{Replay, ReplayError, ReplayReport, replay};
 pub use retry::RetryPolicy;
 #[cfg(feature = "postgres")]
 pub use store::postgres::{PgTx, PostgresStore};

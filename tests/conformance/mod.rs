@@ -922,6 +922,143 @@ pub async fn poison_messages_are_dead_lettered<D: TestDb>(
     assert!(!row.dead && !row.processed, "{row:?}");
 }
 
+/// The operator's replay: dead letters are read back from the dead-letter destination, the dead
+/// mark is cleared and the message published to its source again, and then it is handled once —
+/// by the consumer that gave up on it, while every other consumer of the source discards the copy.
+pub async fn dead_letters_are_replayed<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    use inbox::{Replay, replay};
+
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let (name, other) = (s.name("replayed"), s.name("bystander"));
+    s.broker.prepare(&s.source, &[&name, &other]).await;
+    let ids: Vec<String> = (0..8).map(|i| s.id(i)).collect();
+    let (a, b) = (ids[6].clone(), ids[7].clone());
+    // A bug makes the handler refuse a and b, until the fix is deployed.
+    let broken = Arc::new(Mutex::new(HashSet::from([a.clone(), b.clone()])));
+    let hook: Hook = {
+        let broken = Arc::clone(&broken);
+        Arc::new(move |id: String, _call: u32| {
+            let refused = broken.lock().unwrap().contains(&id);
+            Box::pin(async move {
+                if refused {
+                    Err(HandlerError::permanent(format!("bug #17 refuses {id}")))
+                } else {
+                    Ok(())
+                }
+            })
+        })
+    };
+    let script = Arc::new(Script {
+        hook: Some(hook),
+        ..Script::default()
+    });
+    let consumer = s.consumer(&name, &script);
+    let bystander = s.consumer(&other, &Arc::new(Script::default()));
+    let running = Running::start(&consumer, 1);
+    let running_other = Running::start(&bystander, 1);
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    s.wait_for(&[&name, &other], 6 + 8).await;
+    eventually("a and b dead", || async {
+        let dead = s.store.dead_letters(Some(&name), 100).await.unwrap();
+        if dead.len() == 2 {
+            Ok(())
+        } else {
+            Err(format!("{dead:?}"))
+        }
+    })
+    .await;
+    broken.lock().unwrap().clear();
+
+    let transport = s.broker.transport();
+    let destination = s.dead_letter_destination();
+    let id_of = |id: &str| inbox::MessageId::new(id.to_owned()).unwrap();
+    // A broker may show a just-published dead letter a moment late: the replay then says it is
+    // missing, and running it again is safe.
+    let first = Mutex::new(None);
+    eventually("a replayed", || async {
+        let report = replay(
+            &*transport,
+            &s.store,
+            &name,
+            &destination,
+            Replay::Ids(vec![id_of(&a)]),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        let done = report.replayed == vec![a.clone()];
+        *first.lock().unwrap() = Some(report.clone());
+        if done {
+            Ok(())
+        } else {
+            Err(format!("{report:?}"))
+        }
+    })
+    .await;
+    let first = first.into_inner().unwrap().unwrap();
+    assert!(
+        first.not_dead.is_empty() && first.missing.is_empty(),
+        "{first:?}"
+    );
+    eventually("a handled", || async {
+        let n = s
+            .effects()
+            .await
+            .get(&(name.to_string(), a.clone()))
+            .copied();
+        if n == Some(1) {
+            Ok(())
+        } else {
+            Err(format!("{n:?}"))
+        }
+    })
+    .await;
+
+    // Asking again for a (now processed) and for an id never seen replays nothing.
+    let again = replay(
+        &*transport,
+        &s.store,
+        &name,
+        &destination,
+        Replay::Ids(vec![id_of(&a), id_of("never-seen")]),
+    )
+    .await
+    .unwrap();
+    assert!(again.replayed.is_empty(), "{again:?}");
+    assert_eq!(again.not_dead, vec![a.clone(), "never-seen".to_owned()]);
+
+    let all = replay(&*transport, &s.store, &name, &destination, Replay::All)
+        .await
+        .unwrap();
+    assert_eq!(all.replayed, vec![b.clone()], "{all:?}");
+    s.wait_for(&[&name, &other], 16).await;
+    eventually("the bystander discarded both copies", || async {
+        let n = bystander.report().duplicates_discarded;
+        if n >= 2 {
+            Ok(())
+        } else {
+            Err(format!("{n} duplicates"))
+        }
+    })
+    .await;
+    running.stop().await;
+    running_other.stop().await;
+    s.assert_exactly_once(&[&name, &other], &ids).await;
+    assert_eq!(
+        script.calls(&a),
+        2,
+        "refused once, handled once after the replay"
+    );
+    assert_eq!(script.calls(&b), 2);
+    let stats = s.store.stats(Some(&name)).await.unwrap();
+    assert_eq!((stats[0].processed, stats[0].dead), (8, 0), "{stats:?}");
+    let nothing_left = replay(&*transport, &s.store, &name, &destination, Replay::All)
+        .await
+        .unwrap();
+    assert_eq!(nothing_left, inbox::ReplayReport::default());
+}
+
 /// Shutdown: stop taking deliveries, let in-flight handlers finish and commit and ack, return.
 /// A restart then handles the rest, each once.
 pub async fn shutdown_drains_in_flight<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
@@ -1246,6 +1383,7 @@ macro_rules! conformance_suite {
                 migrations_coexist_with_the_application,
                 an_instance_joins_mid_stream,
                 crash_looping_message_is_dead_lettered,
+                dead_letters_are_replayed,
             );
         }
     };

@@ -634,6 +634,17 @@ impl Transport for KafkaTransport {
         )))
     }
 
+    /// The whole dead-letter topic, up to its end at the call, read without joining a group.
+    /// A log keeps its records: acking a delivery does not remove it (a replayed message's row is
+    /// no longer dead, so a later replay skips it).
+    async fn read_dead_letters(&self, destination: &str) -> Result<DeliveryStream, TransportError> {
+        self.create_topics(&[destination]).await?;
+        let records = self.read_topic(destination).await?;
+        Ok(Box::pin(futures::stream::iter(records.into_iter().map(
+            |record| Ok(Box::new(LogRecord(record)) as Box<dyn Delivery>),
+        ))))
+    }
+
     async fn publish(
         &self,
         destination: &str,
@@ -666,6 +677,37 @@ impl Transport for KafkaTransport {
             .await
             .map(drop)
             .map_err(|(e, _)| publish_error(e))
+    }
+}
+
+/// A record read back from a log (a dead-letter topic): settling it changes nothing.
+#[derive(Debug)]
+struct LogRecord(OutgoingMessage);
+
+#[async_trait]
+impl Delivery for LogRecord {
+    fn payload(&self) -> &[u8] {
+        &self.0.payload
+    }
+
+    fn headers(&self) -> &Headers {
+        &self.0.headers
+    }
+
+    fn broker_message_id(&self) -> Option<&[u8]> {
+        None
+    }
+
+    fn redelivered(&self) -> bool {
+        false
+    }
+
+    async fn ack(self: Box<Self>, _token: AckToken) -> Result<(), TransportError> {
+        Ok(())
+    }
+
+    async fn nack(self: Box<Self>, _requeue: bool) -> Result<(), TransportError> {
+        Ok(())
     }
 }
 

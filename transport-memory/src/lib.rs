@@ -203,6 +203,9 @@ impl State {
     }
 }
 
+/// The group that reads dead-letter topics for a replay.
+const REPLAY_GROUP: &str = "inbox-replay";
+
 const DUPLICATE: u8 = 0;
 const LOSE_ACK: u8 = 1;
 const COPY: u8 = 2;
@@ -530,6 +533,19 @@ impl Transport for MemoryBroker {
                 Some((Ok(boxed), (broker, topic, group)))
             },
         );
+        Ok(Box::pin(deliveries))
+    }
+
+    /// The dead-letter topic through a group of its own (`inbox-replay`), which starts at the
+    /// topic's beginning; the stream ends when nothing is waiting for that group.
+    async fn read_dead_letters(&self, destination: &str) -> Result<DeliveryStream, TransportError> {
+        let topic = destination.to_owned();
+        self.declare_group(&topic, REPLAY_GROUP);
+        let deliveries = stream::unfold((self.clone(), topic), |(broker, topic)| async move {
+            let delivery = broker.dispatch(&topic, REPLAY_GROUP)?;
+            let boxed: Box<dyn Delivery> = Box::new(delivery);
+            Some((Ok(boxed), (broker, topic)))
+        });
         Ok(Box::pin(deliveries))
     }
 

@@ -490,40 +490,33 @@ impl Transport for RabbitMqTransport {
             self.declare_queue(&channel, dead_letter, dead_letter, false)
                 .await?;
         }
-        // Prefetch must be set before consuming, or the broker may push the whole queue.
-        channel
-            .basic_qos(subscription.prefetch.max(1), BasicQosOptions::default())
-            .await
-            .map_err(broker_error)?;
         let queue = queue_name(source, consumer);
-        let deliveries = channel
-            .basic_consume(
-                short(&queue)?,
-                "".into(),
-                BasicConsumeOptions::default(),
+        self.consume(channel, &queue, subscription.prefetch.max(1))
+            .await
+    }
+
+    /// The dead-letter queue of the same name, consumed with no prefetch limit; the stream ends
+    /// after as many deliveries as the queue held ready.
+    async fn read_dead_letters(&self, destination: &str) -> Result<DeliveryStream, TransportError> {
+        let connection = self.connection().await?;
+        let channel = connection.create_channel().await.map_err(broker_error)?;
+        self.declare_exchange(&channel, destination).await?;
+        self.declare_queue(&channel, destination, destination, false)
+            .await?;
+        let ready = channel
+            .queue_declare(
+                short(destination)?,
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
                 FieldTable::default(),
             )
             .await
-            .map_err(broker_error)?;
-        tracing::debug!(
-            queue,
-            prefetch = subscription.prefetch,
-            "consuming from RabbitMQ"
-        );
-        let unsettled = Arc::clone(&self.unsettled);
-        let guard = StreamGuard(Arc::new(ConsumerChannel {
-            channel,
-            outstanding: AtomicUsize::new(0),
-            stream_gone: AtomicBool::new(false),
-            closed: AtomicBool::new(false),
-        }));
-        let stream = deliveries.map(move |next| match next {
-            Ok(delivery) => Ok(
-                Box::new(RabbitDelivery::new(delivery, &guard.0, &unsettled)) as Box<dyn Delivery>,
-            ),
-            Err(e) => Err(broker_error(e)),
-        });
-        Ok(Box::pin(stream))
+            .map_err(broker_error)?
+            .message_count();
+        let stream = self.consume(channel, destination, 0).await?;
+        Ok(Box::pin(stream.take(ready as usize)))
     }
 
     async fn publish(
@@ -539,6 +532,46 @@ impl Transport for RabbitMqTransport {
             }
             other => other,
         }
+    }
+}
+
+impl RabbitMqTransport {
+    /// Consumes `queue` on `channel` (0: no prefetch limit).
+    async fn consume(
+        &self,
+        channel: Channel,
+        queue: &str,
+        prefetch: u16,
+    ) -> Result<DeliveryStream, TransportError> {
+        // Prefetch must be set before consuming, or the broker may push the whole queue.
+        channel
+            .basic_qos(prefetch, BasicQosOptions::default())
+            .await
+            .map_err(broker_error)?;
+        let deliveries = channel
+            .basic_consume(
+                short(queue)?,
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker_error)?;
+        tracing::debug!(queue, prefetch, "consuming from RabbitMQ");
+        let unsettled = Arc::clone(&self.unsettled);
+        let guard = StreamGuard(Arc::new(ConsumerChannel {
+            channel,
+            outstanding: AtomicUsize::new(0),
+            stream_gone: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+        }));
+        let stream = deliveries.map(move |next| match next {
+            Ok(delivery) => Ok(
+                Box::new(RabbitDelivery::new(delivery, &guard.0, &unsettled)) as Box<dyn Delivery>,
+            ),
+            Err(e) => Err(broker_error(e)),
+        });
+        Ok(Box::pin(stream))
     }
 }
 

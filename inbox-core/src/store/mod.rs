@@ -172,10 +172,27 @@ pub trait InboxStore: Send + Sync + 'static {
         reason: &str,
     ) -> Result<(), StoreError>;
 
-    /// Clears the dead mark of a message so that its next delivery is handled: the operator's
-    /// replay. Returns whether there was such a dead row.
-    async fn clear_dead(&self, consumer: &ConsumerName, id: &MessageId)
-    -> Result<bool, StoreError>;
+    /// Clears the dead mark of a message in `tx`, with a fresh attempt budget, so that its next
+    /// delivery is handled: the operator's replay. Returns whether there was such a dead row. The
+    /// row stays locked until `tx` ends, so a copy delivered meanwhile waits for the outcome.
+    async fn revive(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &ConsumerName,
+        id: &MessageId,
+    ) -> Result<bool, StoreError>;
+
+    /// [`revive`](Self::revive) in a transaction of its own.
+    async fn clear_dead(
+        &self,
+        consumer: &ConsumerName,
+        id: &MessageId,
+    ) -> Result<bool, StoreError> {
+        let mut tx = self.begin().await?;
+        let revived = self.revive(&mut tx, consumer, id).await?;
+        self.commit(tx).await?;
+        Ok(revived)
+    }
 
     /// Dead-lettered messages, oldest first.
     async fn dead_letters(

@@ -207,8 +207,9 @@ impl InboxStore for PostgresStore {
         Ok(())
     }
 
-    async fn clear_dead(
+    async fn revive(
         &self,
+        tx: &mut PgTx,
         consumer: &ConsumerName,
         id: &MessageId,
     ) -> Result<bool, StoreError> {
@@ -219,7 +220,7 @@ impl InboxStore for PostgresStore {
         )
         .bind(consumer.as_str())
         .bind(id.as_str())
-        .execute(&self.pool)
+        .execute(&mut **tx)
         .await
         .map_err(store_error)?;
         Ok(done.rows_affected() > 0)

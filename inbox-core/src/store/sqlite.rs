@@ -235,8 +235,9 @@ impl InboxStore for SqliteStore {
         Ok(())
     }
 
-    async fn clear_dead(
+    async fn revive(
         &self,
+        tx: &mut SqliteTx,
         consumer: &ConsumerName,
         id: &MessageId,
     ) -> Result<bool, StoreError> {
@@ -246,7 +247,7 @@ impl InboxStore for SqliteStore {
         )
         .bind(consumer.as_str())
         .bind(id.as_str())
-        .execute(&self.pool)
+        .execute(&mut **tx)
         .await
         .map_err(store_error)?;
         Ok(done.rows_affected() > 0)

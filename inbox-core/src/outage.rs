@@ -1,0 +1,255 @@
+//! What a consumer does while a dependency is down: one task probes with backoff, the others
+//! wait, no new deliveries are taken, and the log says so once per interval instead of once per
+//! message.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::sync::watch;
+// tokio's clock, so that tests can pause it.
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::retry::RetryPolicy;
+
+/// The state of one dependency (the inbox store) as the tasks of one consumer see it.
+pub(crate) struct Outage {
+    what: &'static str,
+    policy: RetryPolicy,
+    log_every: Duration,
+    state: Mutex<State>,
+    up: watch::Sender<bool>,
+}
+
+struct State {
+    down_since: Option<Instant>,
+    /// Failures since the outage began (each one a probe or an operation that was in flight).
+    failures: u64,
+    /// Failures not yet reported in a log line.
+    unlogged: u64,
+    last_log: Option<Instant>,
+    /// A task is sleeping before it probes again: the others wait for the outcome.
+    probing: bool,
+    delays: Box<dyn Iterator<Item = Duration> + Send>,
+}
+
+impl Outage {
+    pub(crate) fn new(what: &'static str, policy: RetryPolicy, log_every: Duration) -> Self {
+        let delays = Box::new(policy.delays());
+        Self {
+            what,
+            policy,
+            log_every,
+            state: Mutex::new(State {
+                down_since: None,
+                failures: 0,
+                unlogged: 0,
+                last_log: None,
+                probing: false,
+                delays,
+            }),
+            up: watch::Sender::new(true),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether the dependency is believed up.
+    pub(crate) fn is_up(&self) -> bool {
+        *self.up.borrow()
+    }
+
+    /// Waits until the dependency is believed up. False when `stop` fired first.
+    pub(crate) async fn wait_until_up(&self, stop: &CancellationToken) -> bool {
+        let mut up = self.up.subscribe();
+        tokio::select! {
+            biased;
+            () = stop.cancelled() => false,
+            r = up.wait_for(|up| *up) => r.is_ok(),
+        }
+    }
+
+    /// Counts a failure without waiting (an operation whose caller goes on by other means).
+    pub(crate) fn note(&self, error: &dyn std::fmt::Display) {
+        let mut state = self.lock();
+        self.count(&mut state, error);
+    }
+
+    /// A transient failure: marks the dependency down, logs (at most once per interval), and
+    /// waits — the first task to get here sleeps one backoff delay and then probes (its caller
+    /// retries its operation); the others wait until an operation succeeds. Returns false when
+    /// `stop` fired first.
+    pub(crate) async fn failed(
+        &self,
+        error: &(dyn std::fmt::Display + Sync),
+        stop: &CancellationToken,
+    ) -> bool {
+        let delay = {
+            let mut state = self.lock();
+            self.count(&mut state, error);
+            if state.probing {
+                None
+            } else {
+                state.probing = true;
+                Some(state.delays.next().unwrap_or(self.policy.max_delay))
+            }
+        };
+        match delay {
+            Some(delay) => {
+                let slept = tokio::select! {
+                    biased;
+                    () = stop.cancelled() => false,
+                    () = tokio::time::sleep(delay) => true,
+                };
+                self.lock().probing = false;
+                slept
+            }
+            None => self.wait_until_up(stop).await,
+        }
+    }
+
+    /// An operation succeeded: the dependency is up again.
+    pub(crate) fn succeeded(&self) {
+        if self.is_up() {
+            return;
+        }
+        let mut state = self.lock();
+        if let Some(since) = state.down_since.take() {
+            tracing::info!(
+                down_for = ?since.elapsed(),
+                failures = state.failures,
+                "{} reachable again; taking deliveries", self.what
+            );
+        }
+        state.failures = 0;
+        state.unlogged = 0;
+        state.last_log = None;
+        state.probing = false;
+        state.delays = Box::new(self.policy.delays());
+        drop(state);
+        self.up.send_replace(true);
+    }
+
+    fn count(&self, state: &mut State, error: &dyn std::fmt::Display) {
+        state.failures += 1;
+        state.unlogged += 1;
+        let now = Instant::now();
+        if state.down_since.is_none() {
+            state.down_since = Some(now);
+            self.up.send_replace(false);
+            tracing::warn!(
+                error = %error,
+                "{} unavailable; pausing deliveries and retrying with backoff (up to {:?} apart)",
+                self.what, self.policy.max_delay
+            );
+            state.unlogged = 0;
+            state.last_log = Some(now);
+        } else if state
+            .last_log
+            .is_none_or(|last| now.duration_since(last) >= self.log_every)
+        {
+            tracing::warn!(
+                error = %error,
+                down_for = ?state.down_since.map(|s| now.duration_since(s)).unwrap_or_default(),
+                failures = state.failures,
+                since_last_log = state.unlogged,
+                "{} still unavailable", self.what
+            );
+            state.unlogged = 0;
+            state.last_log = Some(now);
+        }
+    }
+}
+
+/// A warning that is logged at most once per interval, with the number of occurrences folded
+/// into it (for per-message events that come in bursts, like acks lost with the connection).
+pub(crate) struct Throttle {
+    every: Duration,
+    state: Mutex<(Option<Instant>, u64)>,
+}
+
+impl Throttle {
+    pub(crate) fn new(every: Duration) -> Self {
+        Self {
+            every,
+            state: Mutex::new((None, 0)),
+        }
+    }
+
+    /// Counts one occurrence; returns how many to report when a line is due now.
+    pub(crate) fn due(&self) -> Option<u64> {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        state.1 += 1;
+        let now = Instant::now();
+        if state
+            .0
+            .is_none_or(|last| now.duration_since(last) >= self.every)
+        {
+            let n = state.1;
+            *state = (Some(now), 0);
+            Some(n)
+        } else {
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn one_task_probes_the_others_wait() {
+        let policy = RetryPolicy::default()
+            .with_delays(Duration::from_secs(1), Duration::from_secs(8))
+            .with_jitter(false);
+        let outage = Arc::new(Outage::new("test store", policy, Duration::from_secs(10)));
+        let stop = CancellationToken::new();
+        assert!(outage.is_up());
+        // The first failure makes a prober that sleeps one delay.
+        let prober = {
+            let (o, s) = (Arc::clone(&outage), stop.clone());
+            tokio::spawn(async move { o.failed(&"down", &s).await })
+        };
+        tokio::task::yield_now().await;
+        assert!(!outage.is_up());
+        // A second failing task waits for recovery, not for a delay of its own.
+        let waiter = {
+            let (o, s) = (Arc::clone(&outage), stop.clone());
+            tokio::spawn(async move { o.failed(&"down", &s).await })
+        };
+        assert!(prober.await.unwrap(), "the prober retries after its delay");
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        assert!(!waiter.is_finished(), "waits while the store stays down");
+        outage.succeeded();
+        assert!(waiter.await.unwrap());
+        assert!(outage.is_up());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stop_ends_the_wait() {
+        let outage = Outage::new(
+            "test store",
+            RetryPolicy::default(),
+            Duration::from_secs(10),
+        );
+        let stop = CancellationToken::new();
+        outage.note(&"down");
+        stop.cancel();
+        assert!(!outage.wait_until_up(&stop).await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn throttle_folds_bursts() {
+        let throttle = Throttle::new(Duration::from_secs(10));
+        assert_eq!(throttle.due(), Some(1));
+        assert_eq!(throttle.due(), None);
+        assert_eq!(throttle.due(), None);
+        tokio::time::advance(Duration::from_secs(11)).await;
+        assert_eq!(throttle.due(), Some(3), "the suppressed ones are counted");
+    }
+}
