@@ -5,6 +5,7 @@
 
 #[cfg(any(feature = "rabbitmq", feature = "kafka"))]
 pub mod demo;
+pub mod flaky;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod memory;
@@ -799,6 +800,7 @@ pub async fn poison_messages_are_dead_lettered<D: TestDb>(
     let name = s.name("poison");
     s.broker.prepare(&s.source, &[&name]).await;
     let (forever, permanent, garbage, huge) = (s.id(100), s.id(101), s.id(102), s.id(103));
+    let (empty, wrong_shape) = (s.id(104), s.id(105));
     let good: Vec<String> = (0..10).map(|i| s.id(i)).collect();
     for (i, id) in good.iter().enumerate() {
         s.publish(id, i).await;
@@ -812,6 +814,12 @@ pub async fn poison_messages_are_dead_lettered<D: TestDb>(
         format!(r#"{{"n":1,"pad":"{}"}}"#, "x".repeat(4096)),
     ))
     .await;
+    s.publish_raw(OutgoingMessage::new(empty.clone(), "")).await;
+    s.publish_raw(OutgoingMessage::new(
+        wrong_shape.clone(),
+        r#"{"parcel_id": 7}"#,
+    ))
+    .await;
     let script = Arc::new(Script {
         always_fail: HashSet::from([forever.clone()]),
         permanent: HashSet::from([permanent.clone()]),
@@ -821,7 +829,7 @@ pub async fn poison_messages_are_dead_lettered<D: TestDb>(
     let consumer = s.consumer(&name, &script).max_payload_bytes(1024);
     let running = Running::start(&consumer, 2);
     s.wait_for(&[&name], good.len()).await;
-    s.dead_letters(4).await;
+    s.dead_letters(6).await;
     eventually("settled", || async {
         s.broker.settled(&s.source, &[&name]).await
     })
@@ -840,8 +848,8 @@ pub async fn poison_messages_are_dead_lettered<D: TestDb>(
         0,
         "too large: never handed to the handler"
     );
-    let dead = s.dead_letters(4).await;
-    assert_eq!(dead.len(), 4, "{dead:?}");
+    let dead = s.dead_letters(6).await;
+    assert_eq!(dead.len(), 6, "{dead:?}");
     let by_id: HashMap<&str, &OutgoingMessage> = dead
         .iter()
         .map(|m| (header(m, dead_letter_headers::MESSAGE_ID), m))
@@ -876,12 +884,22 @@ pub async fn poison_messages_are_dead_lettered<D: TestDb>(
         "{}",
         reason(&huge)
     );
+    assert!(
+        reason(&empty).contains("empty payload"),
+        "{}",
+        reason(&empty)
+    );
+    assert!(
+        reason(&wrong_shape).contains("missing field `n`"),
+        "{}",
+        reason(&wrong_shape)
+    );
     assert_eq!(
         by_id[garbage.as_str()].payload.as_ref(),
         b"not json {",
         "the original payload travels"
     );
-    for id in [&forever, &permanent, &garbage, &huge] {
+    for id in [&forever, &permanent, &garbage, &huge, &empty, &wrong_shape] {
         let row = s.db.row(&s.store, &name, id).await.expect("a dead row");
         assert!(row.dead && !row.processed, "{id}: {row:?}");
         assert!(row.last_error.is_some(), "{id}: {row:?}");
@@ -890,7 +908,7 @@ pub async fn poison_messages_are_dead_lettered<D: TestDb>(
     assert_eq!(stats.len(), 1);
     assert_eq!(
         (stats[0].processed, stats[0].dead, stats[0].failing),
-        (10, 4, 0),
+        (10, 6, 0),
         "{stats:?}"
     );
 
@@ -1057,6 +1075,79 @@ pub async fn dead_letters_are_replayed<D: TestDb>(brokers: &dyn BrokerFactory, d
         .await
         .unwrap();
     assert_eq!(nothing_left, inbox::ReplayReport::default());
+}
+
+/// The database goes away: the consumer stops taking deliveries, one task probes with backoff
+/// (not one per message, not a hot loop), and it resumes by itself when the database is back.
+pub async fn store_outage_pauses_deliveries<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    use flaky::FlakyStore;
+    use std::time::Instant;
+
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = s.name("outage");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let store = FlakyStore::new(s.store.clone());
+    let handler = TestHandler {
+        run: s.run.clone(),
+        script: Arc::new(Script::default()),
+        db: Arc::clone(&s.db),
+    };
+    let (min_delay, max_delay) = (Duration::from_millis(10), Duration::from_millis(200));
+    let concurrency = 4;
+    let consumer = Consumer::new(
+        name.clone(),
+        s.source.clone(),
+        s.broker.transport(),
+        store.clone(),
+        handler,
+    )
+    .concurrency(concurrency)
+    .reconnect_backoff(RetryPolicy::default().with_delays(min_delay, max_delay));
+    let ids: Vec<String> = (0..40).map(|i| s.id(i)).collect();
+    let running = Running::start(&consumer, 1);
+    for (i, id) in ids[..10].iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    s.wait_for(&[&name], 10).await;
+    let before = consumer.report().deliveries;
+
+    store.set_down(true);
+    let down_at = Instant::now();
+    for (i, id) in ids.iter().enumerate().skip(10) {
+        s.publish(id, i).await;
+    }
+    eventually("the consumer probing the dead store", || async {
+        match store.refused() {
+            n if n >= 12 => Ok(()),
+            n => Err(format!("{n} refused calls")),
+        }
+    })
+    .await;
+    let (elapsed, refused) = (down_at.elapsed(), store.refused());
+    let taken = consumer.report().deliveries - before;
+    assert!(
+        taken <= concurrency as u64,
+        "no new deliveries while the store is down, beyond one per handler slot: {taken}"
+    );
+    // Each delivery in flight fails once and then waits; after that only the one prober calls,
+    // at backoff delays of at least 10, 20, 40, ... 200 ms (jitter only adds).
+    let mut probes = 0u64;
+    let mut at = Duration::ZERO;
+    let mut delay = min_delay;
+    while at <= elapsed {
+        probes += 1;
+        at += delay;
+        delay = (delay * 2).min(max_delay);
+    }
+    assert!(
+        refused <= taken + probes + 1,
+        "{refused} store calls in {elapsed:?} while down: more than {taken} in flight + {probes} probes"
+    );
+
+    store.set_down(false);
+    s.wait_for(&[&name], ids.len()).await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
 }
 
 /// Shutdown: stop taking deliveries, let in-flight handlers finish and commit and ack, return.
@@ -1384,6 +1475,7 @@ macro_rules! conformance_suite {
                 an_instance_joins_mid_stream,
                 crash_looping_message_is_dead_lettered,
                 dead_letters_are_replayed,
+                store_outage_pauses_deliveries,
             );
         }
     };
