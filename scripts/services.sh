@@ -83,11 +83,13 @@ kafka_port_open() { (exec 3<>"/dev/tcp/$KAFKA_HOST/$KAFKA_PORT") 2>/dev/null; }
 
 # tansu 0.6.0, a Kafka-API broker, from crates.io: built once into a cache (scripts/install-tansu),
 # started on 127.0.0.1:9092 with its memory storage, stopped when the calling script exits.
+# The harness's broker-restart test runs a tansu of its own: INBOX_TANSU names the binary.
 ensure_kafka() {
+  INBOX_TANSU=$(scripts/install-tansu) || die "cannot install tansu"
+  export INBOX_TANSU
   if [ -n "${KAFKA_BROKERS:-}" ]; then say "using KAFKA_BROKERS=$KAFKA_BROKERS"; return; fi
   if ! kafka_port_open; then
-    local tansu
-    tansu=$(scripts/install-tansu) || die "cannot install tansu"
+    local tansu="$INBOX_TANSU"
     say "starting tansu (Kafka API) on $KAFKA_HOST:$KAFKA_PORT"
     TANSU_LOG="${TMPDIR:-/tmp}/inbox-tansu.log"
     "$tansu" broker --listener-url "tcp://$KAFKA_HOST:$KAFKA_PORT" \

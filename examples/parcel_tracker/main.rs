@@ -85,6 +85,11 @@ struct ConsumeArgs {
     /// Handlers in flight per consumer.
     #[arg(long, default_value_t = 8)]
     concurrency: usize,
+    /// Fault injection for the crash harness: this fraction of committed messages stalls for
+    /// ever between the commit and the ack, after printing `stalled before ack: <id>` on stderr,
+    /// so that a SIGKILL lands exactly there. (A stalled process does not drain on SIGTERM.)
+    #[arg(long, default_value_t = 0.0)]
+    stall_before_ack: f64,
 }
 
 #[derive(Args)]
@@ -153,7 +158,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
 }
 
 /// The broker to use. RabbitMQ reads `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`),
-/// Kafka `KAFKA_BROKERS` (default `127.0.0.1:9092`).
+/// Kafka `KAFKA_BROKERS` (default `127.0.0.1:9092`) and `KAFKA_SESSION_TIMEOUT_MS`.
 fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
     match kind {
         TransportKind::Memory => Ok(Arc::new(MemoryBroker::new())),
@@ -174,9 +179,15 @@ fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
         TransportKind::Kafka => {
             let brokers =
                 std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".to_owned());
-            Ok(Arc::new(inbox::kafka::KafkaTransport::new(
-                inbox::kafka::KafkaConfig::new(brokers),
-            )?))
+            let mut config = inbox::kafka::KafkaConfig::new(brokers);
+            // A crashed instance holds its partitions until its session times out.
+            if let Some(ms) = std::env::var("KAFKA_SESSION_TIMEOUT_MS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+            {
+                config = config.session_timeout(Duration::from_millis(ms));
+            }
+            Ok(Arc::new(inbox::kafka::KafkaTransport::new(config)?))
         }
         #[cfg(not(feature = "kafka"))]
         TransportKind::Kafka => {
@@ -219,17 +230,12 @@ impl Db {
         transport: Arc<dyn Transport>,
         source: &str,
         which: Which,
-        concurrency: usize,
-        instances: usize,
+        shape: Shape,
         token: CancellationToken,
     ) -> Result<Vec<(String, inbox::ConsumerReport)>, Error> {
         match self {
-            Db::Postgres(s) => {
-                run_consumers(s, transport, source, which, concurrency, instances, token).await
-            }
-            Db::Sqlite(s) => {
-                run_consumers(s, transport, source, which, concurrency, instances, token).await
-            }
+            Db::Postgres(s) => run_consumers(s, transport, source, which, shape, token).await,
+            Db::Sqlite(s) => run_consumers(s, transport, source, which, shape, token).await,
         }
     }
 
@@ -249,14 +255,37 @@ fn consumer_names(which: Which) -> Vec<&'static str> {
     }
 }
 
+/// How the consumers run.
+#[derive(Clone, Copy)]
+struct Shape {
+    /// Handlers in flight per instance.
+    concurrency: usize,
+    /// Instances per consumer.
+    instances: usize,
+    /// Fraction of commits that stall before the ack (fault injection).
+    stall_before_ack: f64,
+}
+
+/// The after-commit hook of `--stall-before-ack`.
+fn stall_hook(fraction: f64) -> inbox::AfterCommit {
+    Arc::new(move |id| {
+        let roll = f64::from(uuid::Uuid::new_v4().as_bytes()[0]) / 256.0;
+        if roll < fraction {
+            eprintln!("stalled before ack: {id}");
+            Box::pin(std::future::pending())
+        } else {
+            Box::pin(std::future::ready(()))
+        }
+    })
+}
+
 /// Runs the chosen consumers until `token` is cancelled.
 async fn run_consumers<S>(
     store: S,
     transport: Arc<dyn Transport>,
     source: &str,
     which: Which,
-    concurrency: usize,
-    instances: usize,
+    shape: Shape,
     token: CancellationToken,
 ) -> Result<Vec<(String, inbox::ConsumerReport)>, Error>
 where
@@ -269,15 +298,18 @@ where
         let consumer_name = ConsumerName::new(name)?;
         macro_rules! spawn {
             ($handler:expr) => {{
-                let consumer = Consumer::new(
+                let mut consumer = Consumer::new(
                     consumer_name,
                     source,
                     Arc::clone(&transport),
                     store.clone(),
                     $handler,
                 )
-                .concurrency(concurrency);
-                for _ in 0..instances {
+                .concurrency(shape.concurrency);
+                if shape.stall_before_ack > 0.0 {
+                    consumer = consumer.after_commit(stall_hook(shape.stall_before_ack));
+                }
+                for _ in 0..shape.instances {
                     let (consumer, token) = (consumer.clone(), token.clone());
                     tasks.spawn(
                         async move { consumer.run(token).await.map(|r| (name.to_owned(), r)) },
@@ -330,8 +362,11 @@ async fn consume(args: ConsumeArgs) -> Result<ExitCode, Error> {
             transport,
             &args.source,
             args.consumer,
-            args.concurrency,
-            1,
+            Shape {
+                concurrency: args.concurrency,
+                instances: 1,
+                stall_before_ack: args.stall_before_ack,
+            },
             token,
         )
         .await?;
@@ -435,7 +470,12 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, Error> {
         let (broker, token) = (broker.clone(), token.clone());
         let transport: Arc<dyn Transport> = Arc::new(broker);
         tokio::spawn(async move {
-            db.run_consumers(transport, source, Which::Both, 4, 2, token)
+            let shape = Shape {
+                concurrency: 4,
+                instances: 2,
+                stall_before_ack: 0.0,
+            };
+            db.run_consumers(transport, source, Which::Both, shape, token)
                 .await
         })
     };

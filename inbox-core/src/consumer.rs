@@ -84,6 +84,25 @@ struct Settings {
     max_payload_bytes: usize,
     handler_timeout: Option<Duration>,
     reconnect: RetryPolicy,
+    after_commit: Hook,
+}
+
+/// See [`Consumer::after_commit`].
+pub type AfterCommit =
+    Arc<dyn Fn(&MessageId) -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
+
+/// The optional hook, printable.
+#[derive(Clone, Default)]
+struct Hook(Option<AfterCommit>);
+
+impl std::fmt::Debug for Hook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Some(<hook>)"
+        } else {
+            "None"
+        })
+    }
 }
 
 impl Default for Settings {
@@ -98,6 +117,7 @@ impl Default for Settings {
             handler_timeout: None,
             reconnect: RetryPolicy::default()
                 .with_delays(Duration::from_millis(100), Duration::from_secs(5)),
+            after_commit: Hook::default(),
         }
     }
 }
@@ -228,6 +248,14 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
     /// A handler that runs longer fails transiently (its transaction is rolled back).
     pub fn handler_timeout(mut self, timeout: Duration) -> Self {
         self.settings_mut().handler_timeout = Some(timeout);
+        self
+    }
+
+    /// Runs `hook` after a message's inbox transaction committed and before its ack: the one
+    /// moment a crash leaves a message done but unacknowledged. For fault injection — a crash
+    /// harness stalls here and kills the process — and for observing commits in tests.
+    pub fn after_commit(mut self, hook: AfterCommit) -> Self {
+        self.settings_mut().after_commit = Hook(Some(hook));
         self
     }
 
@@ -642,6 +670,9 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
             {
                 Ok(()) => match self.store.commit(tx).await {
                     Ok(()) => {
+                        if let Some(hook) = &self.settings.after_commit.0 {
+                            hook(&id).await;
+                        }
                         self.ack(delivery).await;
                         bump(&self.counters.processed);
                         metrics.processed();

@@ -74,19 +74,28 @@ pub fn init_tracing() {
 }
 
 /// Polls `check` until it returns `Ok`, failing with its last message at the deadline.
-pub async fn eventually<F, Fut>(what: &str, mut check: F)
+pub async fn eventually<F, Fut>(what: &str, check: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<(), String>>,
 {
-    let deadline = tokio::time::Instant::now() + DEADLINE;
+    eventually_within(what, DEADLINE, check).await;
+}
+
+/// [`eventually`] with a deadline of its own.
+pub async fn eventually_within<F, Fut>(what: &str, limit: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
     loop {
         let last = match check().await {
             Ok(()) => return,
             Err(e) => e,
         };
         if tokio::time::Instant::now() >= deadline {
-            panic!("{what}: not reached within {DEADLINE:?}: {last}");
+            panic!("{what}: not reached within {limit:?}: {last}");
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -1,0 +1,959 @@
+//! The crash-and-fault harness: consumers killed with SIGKILL at random moments (some exactly
+//! between commit and ack), the broker restarted, PostgreSQL restarted, and many instances
+//! consuming copies of the same messages at once — and afterwards, per message, exactly one effect
+//! per consumer, nothing lost, nothing left unacknowledged.
+//!
+//! It restarts shared services, so `scripts/test` runs it on its own, one test at a time, after
+//! the rest. Short by default (2,000 events, 20 kills); `INBOX_HARNESS_LONG=1` runs the long
+//! variant (10,000 events, 100 kills). Each test prints one summary line.
+#![allow(dead_code)]
+
+mod conformance;
+
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use conformance::{DEADLINE, eventually};
+use inbox::{OutgoingMessage, Transport};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::sync::Notify;
+
+/// Sizes of a run.
+#[derive(Clone, Copy)]
+struct Plan {
+    events: usize,
+    kills: usize,
+}
+
+fn plan() -> Plan {
+    if std::env::var("INBOX_HARNESS_LONG").is_ok_and(|v| v == "1") {
+        Plan {
+            events: 10_000,
+            kills: 100,
+        }
+    } else {
+        Plan {
+            events: 2_000,
+            kills: 20,
+        }
+    }
+}
+
+/// A small seeded generator for kill moments: the seed is printed, so a run can be repeated.
+struct Dice(u64);
+
+impl Dice {
+    fn new() -> Self {
+        let seed = std::env::var("INBOX_HARNESS_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| u64::from(uuid::Uuid::new_v4().as_fields().0));
+        println!("harness seed {seed} (INBOX_HARNESS_SEED to repeat)");
+        Self(seed.max(1))
+    }
+
+    fn next(&mut self) -> u64 {
+        // xorshift64
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+
+    fn millis(&mut self, low: u64, high: u64) -> Duration {
+        Duration::from_millis(low + self.next() % (high - low + 1))
+    }
+}
+
+/// What a run did, for its summary line.
+#[derive(Default)]
+struct Tally {
+    messages: u64,
+    events: u64,
+    kills: u64,
+    kills_between_commit_and_ack: u64,
+    restarts: u64,
+    broker_restarts: u64,
+    database_restarts: u64,
+    outcomes: Arc<Outcomes>,
+    lost: u64,
+    doubled: u64,
+}
+
+impl Tally {
+    fn line(&self, what: &str) -> String {
+        let o = &self.outcomes;
+        format!(
+            "harness {what}: messages {} ({} events), kills {} ({} between commit and ack), \
+             restarts {}, broker restarts {}, database restarts {}, deliveries settled {}, \
+             processed {}, duplicates discarded {}, dead-lettered {}, lost = {}, doubled = {}",
+            self.messages,
+            self.events,
+            self.kills,
+            self.kills_between_commit_and_ack,
+            self.restarts,
+            self.broker_restarts,
+            self.database_restarts,
+            o.processed.load(Ordering::SeqCst)
+                + o.duplicates.load(Ordering::SeqCst)
+                + o.dead.load(Ordering::SeqCst)
+                + o.other.load(Ordering::SeqCst),
+            o.processed.load(Ordering::SeqCst),
+            o.duplicates.load(Ordering::SeqCst),
+            o.dead.load(Ordering::SeqCst),
+            self.lost,
+            self.doubled,
+        )
+    }
+}
+
+/// Outcomes counted from the consumers' `delivery settled` log lines, over all processes.
+#[derive(Default)]
+struct Outcomes {
+    processed: AtomicU64,
+    duplicates: AtomicU64,
+    dead: AtomicU64,
+    other: AtomicU64,
+    /// Log lines about an outage of the store or the broker.
+    outage_lines: AtomicU64,
+    lines: Mutex<Vec<String>>,
+}
+
+impl Outcomes {
+    fn settled(&self) -> u64 {
+        [&self.processed, &self.duplicates, &self.dead, &self.other]
+            .iter()
+            .map(|c| c.load(Ordering::SeqCst))
+            .sum()
+    }
+
+    fn count(&self, line: &str) {
+        if let Some(at) = line.find("delivery settled") {
+            let rest = &line[at..];
+            let counter = if rest.contains("processed") {
+                &self.processed
+            } else if rest.contains("duplicate") {
+                &self.duplicates
+            } else if rest.contains("dead_lettered") {
+                &self.dead
+            } else {
+                &self.other
+            };
+            counter.fetch_add(1, Ordering::SeqCst);
+            return;
+        }
+        if line.contains("unavailable")
+            || line.contains("cannot subscribe")
+            || line.contains("cannot connect")
+            || line.contains("stream failed")
+        {
+            self.outage_lines.fetch_add(1, Ordering::SeqCst);
+        }
+        if !line.contains("stalled before ack") {
+            self.lines.lock().unwrap().push(line.to_owned());
+        }
+    }
+}
+
+/// `parcel_tracker consume` as a child process on a given database.
+struct ConsumerProcess {
+    child: tokio::process::Child,
+    stalled: Arc<Notify>,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl ConsumerProcess {
+    fn start(
+        transport: &str,
+        database: &str,
+        source: &str,
+        stall_before_ack: f64,
+        env: &[(&str, String)],
+        outcomes: &Arc<Outcomes>,
+    ) -> Self {
+        let demo = conformance::demo::binary();
+        let mut child = tokio::process::Command::new(&demo)
+            .args([
+                "consume",
+                "--transport",
+                transport,
+                "--database",
+                database,
+                "--source",
+                source,
+                "--stall-before-ack",
+                &stall_before_ack.to_string(),
+            ])
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .env("RUST_LOG", "warn,inbox_core::consumer=debug")
+            .env("NO_COLOR", "1")
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", demo.display()));
+        let stalled = Arc::new(Notify::new());
+        let stderr = child.stderr.take().expect("piped stderr");
+        let reader = {
+            let (stalled, outcomes) = (Arc::clone(&stalled), Arc::clone(outcomes));
+            tokio::spawn(async move {
+                let mut lines = BufReader::new(stderr).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    if line.contains("stalled before ack") {
+                        stalled.notify_one();
+                    }
+                    outcomes.count(&line);
+                }
+            })
+        };
+        Self {
+            child,
+            stalled,
+            reader,
+        }
+    }
+
+    /// Waits for `delay`, or less if the process stalls between a commit and its ack; then
+    /// SIGKILL. Returns whether the kill came at a stall.
+    async fn kill_after(mut self, delay: Duration) -> bool {
+        let at_stall = tokio::select! {
+            () = self.stalled.notified() => true,
+            () = tokio::time::sleep(delay) => false,
+        };
+        self.child.start_kill().expect("SIGKILL");
+        let status = self.child.wait().await.expect("reaped");
+        assert!(!status.success(), "killed, not exited: {status}");
+        let _ = self.reader.await;
+        at_stall
+    }
+
+    /// SIGTERM: the consumer drains and exits 0.
+    async fn stop(mut self, outcomes: &Outcomes) {
+        let pid = self.child.id().expect("running");
+        let killed = tokio::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .await
+            .unwrap();
+        assert!(killed.success());
+        let status = tokio::time::timeout(DEADLINE, self.child.wait())
+            .await
+            .expect("the consumer drains and exits after SIGTERM")
+            .unwrap();
+        let _ = self.reader.await;
+        assert!(
+            status.success(),
+            "exit after SIGTERM: {status}; its log:\n{}",
+            outcomes.lines.lock().unwrap().join("\n")
+        );
+    }
+}
+
+/// The demo's event, published with its id in the message id.
+fn event(run: &str, n: usize) -> OutgoingMessage {
+    let parcel = uuid::Uuid::new_v4();
+    let payload = format!(
+        r#"{{"parcel_id":"{parcel}","tracking_number":"TRK-{run}-{n}","destination":"Oslo"}}"#
+    );
+    OutgoingMessage::new(format!("{run}-{n}"), payload).with_key(parcel.to_string())
+}
+
+/// Publishes events `range`, every tenth one twice (a producer retrying); returns the messages
+/// sent.
+async fn publish(
+    transport: &dyn Transport,
+    source: &str,
+    run: &str,
+    range: std::ops::Range<usize>,
+) -> u64 {
+    let mut sent = 0;
+    for n in range {
+        let message = event(run, n);
+        let copies = if n % 10 == 9 { 2 } else { 1 };
+        for _ in 0..copies {
+            transport
+                .publish(source, message.clone())
+                .await
+                .expect("publish");
+            sent += 1;
+        }
+    }
+    sent
+}
+
+/// The demo's `report --json` on `database`.
+async fn report(database: &str) -> serde_json::Value {
+    let output = tokio::process::Command::new(conformance::demo::binary())
+        .args(["report", "--json", "--database", database])
+        .output()
+        .await
+        .unwrap();
+    serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+        panic!(
+            "report --json: {e}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })
+}
+
+/// Waits until every event has one notification and one booking, then fills in lost and
+/// doubled from the database.
+async fn settle_and_count(database: &str, events: u64, tally: &mut Tally) {
+    // Generous: after a kill, a Kafka group waits out the dead member's session before the
+    // partitions move, once per consumer group.
+    conformance::eventually_within("every event handled by both consumers", SETTLE, || async {
+        let r = report(database).await;
+        let complete = r["parcels_complete"].as_u64().unwrap();
+        if complete >= events {
+            Ok(())
+        } else {
+            Err(format!("{complete} of {events} parcels complete"))
+        }
+    })
+    .await;
+    let r = report(database).await;
+    let complete = r["parcels_complete"].as_u64().unwrap();
+    tally.doubled =
+        r["double_notifications"].as_u64().unwrap() + r["double_bookings"].as_u64().unwrap();
+    tally.lost = events.saturating_sub(complete);
+}
+
+fn assert_clean(tally: &Tally) {
+    assert_eq!(tally.lost, 0, "{}", tally.line("FAILED"));
+    assert_eq!(tally.doubled, 0, "{}", tally.line("FAILED"));
+    assert_eq!(
+        tally.outcomes.dead.load(Ordering::SeqCst),
+        0,
+        "healthy messages dead-lettered: {}",
+        tally.line("FAILED")
+    );
+}
+
+/// Restarts the local PostgreSQL cluster (the one `DATABASE_URL` points at).
+async fn restart_postgres() {
+    let url = conformance::services::postgres_url();
+    assert!(
+        url.contains("@127.0.0.1") || url.contains("@localhost"),
+        "the PostgreSQL restart needs the local cluster (pg_ctlcluster); DATABASE_URL is elsewhere"
+    );
+    let version = std::fs::read_dir("/etc/postgresql")
+        .expect("/etc/postgresql: the harness restarts the local cluster with pg_ctlcluster")
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .next()
+        .expect("a PostgreSQL version under /etc/postgresql");
+    let status = tokio::process::Command::new("pg_ctlcluster")
+        .args(["--skip-systemctl-redirect", &version, "main", "restart"])
+        .status()
+        .await
+        .expect("pg_ctlcluster runs");
+    assert!(status.success(), "pg_ctlcluster restart: {status}");
+}
+
+/// The consumer logs outages with backoff: a handful of lines per outage, not one per message or
+/// per retry at full speed.
+fn assert_no_log_storm(outcomes: &Outcomes, outage: Duration, outages: u64) {
+    let lines = outcomes.outage_lines.load(Ordering::SeqCst);
+    // Per process and dependency: the first failure, then at most one line per 10 s (the store),
+    // or per backoff step capped at 5 s (the broker's connection attempts).
+    let bound = outages * (8 + 2 * outage.as_secs());
+    assert!(
+        lines <= bound,
+        "{lines} outage log lines for {outages} outages of ~{outage:?}: a storm (bound {bound})\n{}",
+        outcomes.lines.lock().unwrap().join("\n")
+    );
+    println!("outage log lines: {lines} (bound {bound})");
+}
+
+// -----------------------------------------------------------------------------------------------
+// Memory: crashes simulated in process (the consumer tasks aborted; unacked deliveries return).
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_crashes() {
+    use conformance::memory::Memory;
+    use conformance::stores::Postgres;
+    use conformance::{Running, Scenario, Script};
+    use inbox::memory::Faults;
+
+    conformance::init_tracing();
+    let plan = plan();
+    let mut dice = Dice::new();
+    let db = Arc::new(Postgres);
+    let faults = Faults::seeded(dice.next())
+        .duplicate_publish(0.05)
+        .lose_ack(0.05)
+        .concurrent_copy(0.05)
+        .reorder(0.2);
+    let s = Scenario::new(&Memory, &db, faults).await;
+    let name = s.name("crashes");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let stalls = Arc::new(Notify::new());
+    let hook: inbox::AfterCommit = {
+        let stalls = Arc::clone(&stalls);
+        let counter = Arc::new(AtomicU64::new(0));
+        Arc::new(move |_id| {
+            // Every 97th commit stalls before its ack, so that a crash lands there.
+            if counter.fetch_add(1, Ordering::SeqCst) % 97 == 96 {
+                stalls.notify_one();
+                Box::pin(std::future::pending())
+            } else {
+                Box::pin(std::future::ready(()))
+            }
+        })
+    };
+    let script = Arc::new(Script::default());
+    let consumer = s.consumer(&name, &script).after_commit(hook);
+    let ids: Vec<String> = (0..plan.events).map(|i| s.id(i)).collect();
+    let mut tally = Tally {
+        events: plan.events as u64,
+        ..Tally::default()
+    };
+    let chunk = plan.events.div_ceil(plan.kills);
+    for k in 0..plan.kills {
+        for (i, id) in ids.iter().enumerate().skip(k * chunk).take(chunk) {
+            s.publish(id, i).await;
+            tally.messages += 1;
+            if i % 10 == 9 {
+                s.publish(id, i).await;
+                tally.messages += 1;
+            }
+        }
+        let running = Running::start(&consumer, 4);
+        let at_stall = tokio::select! {
+            () = stalls.notified() => true,
+            () = tokio::time::sleep(dice.millis(5, 200)) => false,
+        };
+        running.abort().await;
+        tally.kills += 1;
+        tally.restarts += 1;
+        tally.kills_between_commit_and_ack += u64::from(at_stall);
+    }
+    // The last instance runs clean: a consumer without the stalling hook.
+    let clean = s.consumer(&name, &script);
+    let running = Running::start(&clean, 4);
+    s.wait_for(&[&name], ids.len()).await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+    let (r1, r2) = (consumer.report(), clean.report());
+    tally
+        .outcomes
+        .processed
+        .store(r1.processed + r2.processed, Ordering::SeqCst);
+    tally.outcomes.duplicates.store(
+        r1.duplicates_discarded + r2.duplicates_discarded,
+        Ordering::SeqCst,
+    );
+    tally
+        .outcomes
+        .dead
+        .store(r1.dead_lettered + r2.dead_lettered, Ordering::SeqCst);
+    println!("{}", tally.line("memory"));
+    assert_clean(&tally);
+    assert!(
+        tally.kills_between_commit_and_ack > 0,
+        "{}",
+        tally.line("memory")
+    );
+}
+
+// -----------------------------------------------------------------------------------------------
+// Real brokers: the demo's consumers as separate processes, killed with SIGKILL.
+
+/// Messages of the demo's consumers not settled in the broker: ready ones (RabbitMQ) or the
+/// consumer groups' lag (Kafka).
+type Unsettled =
+    Arc<dyn Fn() -> futures::future::BoxFuture<'static, Result<u64, String>> + Send + Sync>;
+
+/// One real broker, as the harness needs it.
+struct Broker {
+    name: &'static str,
+    transport: Arc<dyn Transport>,
+    env: Vec<(&'static str, String)>,
+    source: String,
+    unsettled: Unsettled,
+}
+
+impl Broker {
+    /// Declares the demo's queues / topic so that nothing published before a consumer runs is
+    /// lost.
+    async fn prepare(&self) {
+        for consumer in ["notification", "carrier-assignment"] {
+            let subscription = inbox::Subscription::new(
+                self.source.clone(),
+                inbox::ConsumerName::new(consumer).unwrap(),
+                1,
+            );
+            self.transport
+                .declare(&subscription)
+                .await
+                .expect("declare");
+        }
+    }
+
+    /// Nothing left for the demo's consumers (after they stopped, what was unacknowledged is
+    /// ready again, so this also says nothing was left unacknowledged).
+    async fn assert_drained(&self) {
+        let left = (self.unsettled)().await.expect("read the broker's backlog");
+        assert_eq!(left, 0, "{left} messages left unsettled in {}", self.name);
+    }
+}
+
+/// Publishes in chunks; after each chunk a consumer process starts and is killed with SIGKILL at
+/// a random moment (every other time at a stall between commit and ack). A last one runs clean
+/// and is stopped with SIGTERM. Then: every event once per consumer, nothing left in the broker.
+async fn kill_nine(broker: Broker) {
+    let plan = plan();
+    let mut dice = Dice::new();
+    let database = conformance::stores::Postgres::fresh_url().await;
+    let run = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    broker.prepare().await;
+    let mut tally = Tally {
+        events: plan.events as u64,
+        ..Tally::default()
+    };
+    let chunk = plan.events.div_ceil(plan.kills);
+    let started = Instant::now();
+    for k in 0..plan.kills {
+        let end = ((k + 1) * chunk).min(plan.events);
+        tally.messages += publish(&*broker.transport, &broker.source, &run, k * chunk..end).await;
+        let stall = if k % 2 == 0 { 0.02 } else { 0.0 };
+        let process = ConsumerProcess::start(
+            broker.name,
+            &database,
+            &broker.source,
+            stall,
+            &broker.env,
+            &tally.outcomes,
+        );
+        // Kill mid-stream, not while the process is still connecting or joining its group:
+        // first wait until it settles deliveries.
+        let before = tally.outcomes.settled();
+        let _ = tokio::time::timeout(DEADLINE, async {
+            while tally.outcomes.settled() == before {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        let at_stall = process.kill_after(dice.millis(20, 1500)).await;
+        tally.kills += 1;
+        tally.restarts += 1;
+        tally.kills_between_commit_and_ack += u64::from(at_stall);
+    }
+    let last = ConsumerProcess::start(
+        broker.name,
+        &database,
+        &broker.source,
+        0.0,
+        &broker.env,
+        &tally.outcomes,
+    );
+    settle_and_count(&database, tally.events, &mut tally).await;
+    eventually_drained(&broker).await;
+    last.stop(&tally.outcomes).await;
+    broker.assert_drained().await;
+    println!(
+        "{} ({:?})",
+        tally.line(&format!("{} kill -9", broker.name)),
+        started.elapsed()
+    );
+    assert_clean(&tally);
+    assert!(
+        tally.kills_between_commit_and_ack > 0,
+        "no kill landed between commit and ack: {}",
+        tally.line(broker.name)
+    );
+}
+
+/// Waits until the running consumers have settled everything.
+async fn eventually_drained(broker: &Broker) {
+    eventually("the broker drained", || async {
+        match (broker.unsettled)().await? {
+            0 => Ok(()),
+            n => Err(format!("{n} unsettled")),
+        }
+    })
+    .await;
+}
+
+/// A fault in the middle of the stream: publish half, let the consumer work, `fault`, publish
+/// the rest; afterwards exactly once and a log that shows backoff, not a storm.
+async fn fault_mid_stream<F, Fut>(broker: Broker, restart: Restart, fault: F)
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = Duration>,
+{
+    let events = plan().events;
+    let database = conformance::stores::Postgres::fresh_url().await;
+    let run = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    broker.prepare().await;
+    let mut tally = Tally {
+        events: events as u64,
+        ..Tally::default()
+    };
+    let what = match restart {
+        Restart::Broker => {
+            tally.broker_restarts = 1;
+            "broker restart"
+        }
+        Restart::Database => {
+            tally.database_restarts = 1;
+            "database restart"
+        }
+    };
+    tally.messages += publish(&*broker.transport, &broker.source, &run, 0..events / 2).await;
+    let process = ConsumerProcess::start(
+        broker.name,
+        &database,
+        &broker.source,
+        0.0,
+        &broker.env,
+        &tally.outcomes,
+    );
+    eventually("the consumer at work", || async {
+        let n = tally.outcomes.processed.load(Ordering::SeqCst);
+        if n >= 200 {
+            Ok(())
+        } else {
+            Err(format!("{n} processed"))
+        }
+    })
+    .await;
+    let outage = fault().await;
+    tally.messages += publish(&*broker.transport, &broker.source, &run, events / 2..events).await;
+    settle_and_count(&database, tally.events, &mut tally).await;
+    eventually_drained(&broker).await;
+    process.stop(&tally.outcomes).await;
+    broker.assert_drained().await;
+    println!("{}", tally.line(&format!("{} {what}", broker.name)));
+    assert_clean(&tally);
+    assert_no_log_storm(&tally.outcomes, outage, 1);
+}
+
+/// What [`fault_mid_stream`] restarts.
+enum Restart {
+    Broker,
+    Database,
+}
+
+/// The longest the harness waits for the consumers to catch up after the faults.
+const SETTLE: Duration = Duration::from_secs(300);
+
+/// How long the harness keeps a service down.
+const OUTAGE: Duration = Duration::from_secs(5);
+
+#[cfg(feature = "rabbitmq")]
+mod rabbitmq {
+    use super::*;
+    use inbox::rabbitmq::RabbitMqTransport;
+
+    fn broker() -> Broker {
+        let url = conformance::services::amqp_url();
+        let transport = Arc::new(RabbitMqTransport::new(url.clone(), Default::default()));
+        let source = format!("harness-{}", uuid::Uuid::new_v4().simple());
+        let unsettled: Unsettled = {
+            let (transport, source) = (Arc::clone(&transport), source.clone());
+            Arc::new(move || {
+                let (transport, source) = (Arc::clone(&transport), source.clone());
+                Box::pin(async move {
+                    // Ready and unacknowledged alike (`messages`), as the server counts them.
+                    let _ = transport;
+                    let output = tokio::process::Command::new("rabbitmqctl")
+                        .args([
+                            "list_queues",
+                            "-q",
+                            "--no-table-headers",
+                            "name",
+                            "messages",
+                        ])
+                        .output()
+                        .await
+                        .map_err(|e| format!("rabbitmqctl: {e}"))?;
+                    let text = String::from_utf8_lossy(&output.stdout);
+                    let mut total = 0;
+                    for consumer in ["notification", "carrier-assignment"] {
+                        let queue = inbox::rabbitmq::queue_name(&source, consumer);
+                        let line = text
+                            .lines()
+                            .find(|l| l.split_whitespace().next() == Some(queue.as_str()))
+                            .ok_or_else(|| format!("queue {queue} not listed"))?;
+                        total += line
+                            .split_whitespace()
+                            .nth(1)
+                            .and_then(|n| n.parse::<u64>().ok())
+                            .ok_or_else(|| format!("list_queues: {line}"))?;
+                    }
+                    Ok(total)
+                })
+            })
+        };
+        Broker {
+            name: "rabbitmq",
+            transport,
+            env: vec![("AMQP_URL", url)],
+            source,
+            unsettled,
+        }
+    }
+
+    async fn rabbitmqctl(args: &[&str]) {
+        let status = tokio::process::Command::new("rabbitmqctl")
+            .args(args)
+            .stdout(Stdio::null())
+            .status()
+            .await
+            .expect("rabbitmqctl runs (the harness restarts the local RabbitMQ)");
+        assert!(status.success(), "rabbitmqctl {args:?}: {status}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn rabbitmq_kill_nine() {
+        kill_nine(broker()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn rabbitmq_broker_restart() {
+        fault_mid_stream(broker(), Restart::Broker, || async {
+            let down = Instant::now();
+            rabbitmqctl(&["stop_app"]).await;
+            tokio::time::sleep(OUTAGE).await;
+            rabbitmqctl(&["start_app"]).await;
+            rabbitmqctl(&["await_startup"]).await;
+            down.elapsed()
+        })
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn rabbitmq_postgres_restart() {
+        fault_mid_stream(broker(), Restart::Database, || async {
+            let down = Instant::now();
+            restart_postgres().await;
+            down.elapsed()
+        })
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn rabbitmq_concurrent_duplicates() {
+        concurrent_duplicates(broker()).await;
+    }
+}
+
+/// Every event published three times while four consumer processes compete for them: zero
+/// double effects.
+async fn concurrent_duplicates(broker: Broker) {
+    let events = plan().events / 2;
+    let database = conformance::stores::Postgres::fresh_url().await;
+    let run = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    broker.prepare().await;
+    let mut tally = Tally {
+        events: events as u64,
+        ..Tally::default()
+    };
+    // The schema first: four processes creating the demo's tables at once would race.
+    report(&database).await;
+    let processes: Vec<ConsumerProcess> = (0..4)
+        .map(|_| {
+            ConsumerProcess::start(
+                broker.name,
+                &database,
+                &broker.source,
+                0.0,
+                &broker.env,
+                &tally.outcomes,
+            )
+        })
+        .collect();
+    for n in 0..events {
+        let mut message = event(&run, n);
+        for _ in 0..3 {
+            // No key: the copies land on different partitions, so different instances get them.
+            message.key = None;
+            broker
+                .transport
+                .publish(&broker.source, message.clone())
+                .await
+                .expect("publish");
+            tally.messages += 1;
+        }
+    }
+    settle_and_count(&database, tally.events, &mut tally).await;
+    eventually_drained(&broker).await;
+    for p in processes {
+        p.stop(&tally.outcomes).await;
+    }
+    broker.assert_drained().await;
+    println!(
+        "{}",
+        tally.line(&format!("{} 4 instances x 3 copies", broker.name))
+    );
+    assert_clean(&tally);
+    assert!(
+        tally.outcomes.duplicates.load(Ordering::SeqCst) >= 2 * 2 * events as u64,
+        "at least two of three copies discarded, per consumer"
+    );
+}
+
+#[cfg(feature = "kafka")]
+mod kafka {
+    use super::*;
+    use inbox::kafka::{KafkaConfig, KafkaTransport};
+
+    fn broker_at(brokers: String) -> Broker {
+        let transport = Arc::new(
+            KafkaTransport::new(KafkaConfig::new(brokers.clone())).expect("a Kafka client"),
+        );
+        let source = format!("harness-{}", uuid::Uuid::new_v4().simple());
+        let unsettled: Unsettled = {
+            let (transport, source) = (Arc::clone(&transport), source.clone());
+            Arc::new(move || {
+                let (transport, source) = (Arc::clone(&transport), source.clone());
+                Box::pin(async move {
+                    let mut lag = 0;
+                    for consumer in ["notification", "carrier-assignment"] {
+                        lag += transport
+                            .lag(&source, consumer)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                    }
+                    Ok(u64::try_from(lag).unwrap_or(0))
+                })
+            })
+        };
+        Broker {
+            name: "kafka",
+            transport,
+            // A killed instance holds its partitions until its session times out.
+            env: vec![
+                ("KAFKA_BROKERS", brokers),
+                ("KAFKA_SESSION_TIMEOUT_MS", "6000".to_owned()),
+            ],
+            source,
+            unsettled,
+        }
+    }
+
+    fn broker() -> Broker {
+        broker_at(conformance::services::kafka_brokers())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn kafka_kill_nine() {
+        kill_nine(broker()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn kafka_postgres_restart() {
+        fault_mid_stream(broker(), Restart::Database, || async {
+            let down = Instant::now();
+            restart_postgres().await;
+            down.elapsed()
+        })
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn kafka_concurrent_duplicates() {
+        concurrent_duplicates(broker()).await;
+    }
+
+    /// A tansu broker of the harness's own that keeps its log in SQLite, so that it can be
+    /// restarted without losing topics and offsets (the shared test broker keeps them in memory).
+    struct Tansu {
+        binary: String,
+        dir: std::path::PathBuf,
+        port: u16,
+        child: Option<tokio::process::Child>,
+    }
+
+    impl Tansu {
+        fn start(port: u16) -> Self {
+            let binary = std::env::var("INBOX_TANSU").unwrap_or_else(|_| {
+                format!(
+                    "{}/.cache/inbox-tools/bin/tansu",
+                    std::env::var("HOME").unwrap_or_default()
+                )
+            });
+            assert!(
+                std::path::Path::new(&binary).exists(),
+                "the Kafka broker-restart test runs its own tansu: set INBOX_TANSU to the binary \
+                 (scripts/install-tansu installs it)"
+            );
+            let dir = std::env::temp_dir().join(format!("inbox-tansu-{}", uuid::Uuid::new_v4()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let mut tansu = Self {
+                binary,
+                dir,
+                port,
+                child: None,
+            };
+            tansu.spawn();
+            tansu
+        }
+
+        fn spawn(&mut self) {
+            let url = format!("tcp://127.0.0.1:{}", self.port);
+            let child = tokio::process::Command::new(&self.binary)
+                .args([
+                    "broker",
+                    "--listener-url",
+                    &url,
+                    "--advertised-listener-url",
+                    &url,
+                    "--storage-engine",
+                    "sqlite://tansu.db",
+                ])
+                .current_dir(&self.dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .kill_on_drop(true)
+                .spawn()
+                .expect("start tansu");
+            self.child = Some(child);
+        }
+
+        async fn restart(&mut self, outage: Duration) {
+            let mut child = self.child.take().expect("running");
+            let pid = child.id().expect("running").to_string();
+            let _ = tokio::process::Command::new("kill")
+                .args(["-TERM", &pid])
+                .status()
+                .await;
+            let _ = tokio::time::timeout(DEADLINE, child.wait()).await;
+            tokio::time::sleep(outage).await;
+            self.spawn();
+        }
+    }
+
+    impl Drop for Tansu {
+        fn drop(&mut self) {
+            if let Some(child) = &mut self.child {
+                let _ = child.start_kill();
+            }
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn kafka_broker_restart() {
+        let port = 9094;
+        let tansu = Arc::new(tokio::sync::Mutex::new(Tansu::start(port)));
+        let broker = broker_at(format!("127.0.0.1:{port}"));
+        eventually("tansu listening", || async {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string())
+        })
+        .await;
+        fault_mid_stream(broker, Restart::Broker, || async {
+            let down = Instant::now();
+            tansu.lock().await.restart(OUTAGE).await;
+            down.elapsed()
+        })
+        .await;
+    }
+}
