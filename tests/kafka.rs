@@ -13,6 +13,13 @@ conformance_suite!(kafka_postgres, Kafka { ordered: true }, async {
 conformance_suite!(kafka_unordered_postgres, Kafka { ordered: false }, async {
     conformance::stores::Postgres
 });
+// Batch mode: a poll's records claimed in one statement; offsets stored after one commit.
+conformance_suite!(
+    kafka_postgres_batched,
+    Kafka { ordered: true },
+    async { conformance::stores::Postgres },
+    batched = true
+);
 
 /// Records produced by PyPI's `confluent-kafka` (not our code) with duplicate `message-id`
 /// headers are handled exactly once by the demo's consumers, running as a separate process that

@@ -8,6 +8,19 @@ conformance_suite!(memory_sqlite, Memory, async { conformance::stores::Sqlite })
 conformance_suite!(memory_postgres, Memory, async {
     conformance::stores::Postgres
 });
+// Batch mode: one claim statement and one transaction per batch, a savepoint per message.
+conformance_suite!(
+    memory_sqlite_batched,
+    Memory,
+    async { conformance::stores::Sqlite },
+    batched = true
+);
+conformance_suite!(
+    memory_postgres_batched,
+    Memory,
+    async { conformance::stores::Postgres },
+    batched = true
+);
 
 /// PostgreSQL's row lock in action: a concurrent claim of the same message waits for the first
 /// transaction instead of failing, then sees its outcome.
@@ -143,4 +156,52 @@ mod postgres_claims {
             "{report:?}"
         );
     }
+}
+
+/// Batch mode really batches: 200 waiting messages take a handful of transactions, not 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batch_mode_uses_one_transaction_per_batch() {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use conformance::flaky::FlakyStore;
+    use conformance::stores::Postgres;
+    use conformance::{Scenario, Script};
+    use inbox::memory::Faults;
+    use inbox::{Batching, CancellationToken, Consumer};
+
+    conformance::init_tracing();
+    let db = Arc::new(Postgres);
+    let s = Scenario::new(&Memory, &db, Faults::none()).await;
+    let name = s.name("batches");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = (0..200).map(|i| s.id(i)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    let store = FlakyStore::new(s.store.clone());
+    let consumer = Consumer::new(
+        name.clone(),
+        s.source.clone(),
+        s.broker.transport(),
+        store.clone(),
+        s.handler(&Arc::new(Script::default())),
+    )
+    .concurrency(2)
+    .batch(Batching::new(50, Duration::from_millis(20)));
+    let token = CancellationToken::new();
+    let running = {
+        let (consumer, token) = (consumer.clone(), token.clone());
+        tokio::spawn(async move { consumer.run(token).await })
+    };
+    s.wait_for(&[&name], ids.len()).await;
+    token.cancel();
+    running.await.unwrap().unwrap();
+    s.assert_exactly_once(&[&name], &ids).await;
+    let begun = store.begun();
+    println!("200 messages in {begun} transactions");
+    assert!(
+        begun <= 12,
+        "{begun} transactions for 200 messages in batches of 50"
+    );
 }

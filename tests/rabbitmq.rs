@@ -23,6 +23,13 @@ conformance_suite!(
     RabbitMq::new(QueueType::Quorum),
     async { conformance::stores::Postgres }
 );
+// Batch mode: a prefetch window claimed in one statement, acked after one commit.
+conformance_suite!(
+    rabbitmq_postgres_batched,
+    RabbitMq::new(QueueType::Classic),
+    async { conformance::stores::Postgres },
+    batched = true
+);
 
 async fn rabbitmqctl(args: &[&str]) -> String {
     let output = tokio::process::Command::new("rabbitmqctl")

@@ -85,6 +85,37 @@ struct Settings {
     handler_timeout: Option<Duration>,
     reconnect: RetryPolicy,
     after_commit: Hook,
+    batch: Option<Batching>,
+}
+
+/// Batch mode: deliveries that arrive together are claimed in one statement and handled in one
+/// transaction, a savepoint per message, with one commit for all of them. See
+/// [`Consumer::batch`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Batching {
+    /// The most deliveries in one transaction.
+    pub max_size: usize,
+    /// How long to wait for more deliveries once one is there. What is already waiting is taken
+    /// at once, so at low rates a message waits at most this long.
+    pub max_wait: Duration,
+}
+
+impl Batching {
+    /// Up to `max_size` deliveries (at least 1), waiting at most `max_wait` to fill a batch.
+    pub fn new(max_size: usize, max_wait: Duration) -> Self {
+        Self {
+            max_size: max_size.max(1),
+            max_wait,
+        }
+    }
+}
+
+impl Default for Batching {
+    /// 100 deliveries, 5 ms.
+    fn default() -> Self {
+        Self::new(100, Duration::from_millis(5))
+    }
 }
 
 /// See [`Consumer::after_commit`].
@@ -118,6 +149,7 @@ impl Default for Settings {
             reconnect: RetryPolicy::default()
                 .with_delays(Duration::from_millis(100), Duration::from_secs(5)),
             after_commit: Hook::default(),
+            batch: None,
         }
     }
 }
@@ -259,6 +291,19 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
         self
     }
 
+    /// Batch mode (DESIGN.md, "Batches"): deliveries that arrive together — a Kafka poll, a
+    /// RabbitMQ prefetch window — are claimed in ONE statement and handled in ONE transaction,
+    /// each message in a savepoint; one commit, then every ack. A message whose handler fails is
+    /// rolled back to its savepoint, its failure recorded in the same transaction, and it goes
+    /// through the usual failure model after the commit (retry, requeue, dead-letter) without
+    /// costing the others. On an ordered transport, later messages of its key wait for it, and
+    /// batches run one at a time. `concurrency` becomes batches in flight; the default prefetch
+    /// becomes enough for them.
+    pub fn batch(mut self, batching: Batching) -> Self {
+        self.settings_mut().batch = Some(batching);
+        self
+    }
+
     /// The consumer's name.
     pub fn name(&self) -> &ConsumerName {
         &self.inner.name
@@ -294,17 +339,31 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
         let inner = &self.inner;
         let metrics = Arc::new(Metrics::new(&inner.name, inner.transport.name()));
         let stop = shutdown.child_token();
-        let permits = Arc::new(Semaphore::new(inner.settings.concurrency));
+        let batching = inner.settings.batch;
+        let ordered = inner.transport.capabilities().ordered;
+        // Batches of an ordered transport run one at a time: two in flight could hold messages
+        // of the same key.
+        let slots = match batching {
+            Some(_) if ordered => 1,
+            _ => inner.settings.concurrency,
+        };
+        let permits = Arc::new(Semaphore::new(slots));
+        let window = match batching {
+            Some(b) => slots * b.max_size * 2,
+            None => inner.settings.concurrency * 2,
+        };
         let prefetch = inner
             .settings
             .prefetch
-            .unwrap_or_else(|| u16::try_from(inner.settings.concurrency * 2).unwrap_or(u16::MAX));
+            .unwrap_or_else(|| u16::try_from(window).unwrap_or(u16::MAX));
         let subscription = Subscription::new(inner.source.clone(), inner.name.clone(), prefetch)
             .with_dead_letter(inner.dead_letter_destination());
         let mut tasks: JoinSet<Result<(), ConsumerError>> = JoinSet::new();
         let mut lanes: HashMap<String, Lane> = HashMap::new();
         let mut fatal: Option<ConsumerError> = None;
         let mut reconnect = inner.settings.reconnect.delays();
+        // What the stream said after a batch was cut short by it (an error, its end).
+        let mut pushed_back = None;
 
         'subscribe: while !stop.is_cancelled() {
             let subscribed = tokio::select! {
@@ -339,12 +398,39 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
                 if !inner.store_outage.is_up() && !inner.store_outage.wait_until_up(&stop).await {
                     break 'subscribe;
                 }
-                let next = tokio::select! {
-                    biased;
-                    () = stop.cancelled() => break 'subscribe,
-                    next = stream.next() => next,
+                let next = match pushed_back.take() {
+                    Some(next) => next,
+                    None => tokio::select! {
+                        biased;
+                        () = stop.cancelled() => break 'subscribe,
+                        next = stream.next() => next,
+                    },
                 };
                 match next {
+                    Some(Ok(delivery)) if batching.is_some() => {
+                        reconnect = inner.settings.reconnect.delays();
+                        let batching = batching.expect("checked above");
+                        let mut batch = vec![delivery];
+                        let deadline = tokio::time::Instant::now() + batching.max_wait;
+                        while batch.len() < batching.max_size {
+                            match tokio::time::timeout_at(deadline, stream.next()).await {
+                                Err(_) => break,
+                                Ok(Some(Ok(delivery))) => batch.push(delivery),
+                                Ok(other) => {
+                                    pushed_back = Some(other);
+                                    break;
+                                }
+                            }
+                        }
+                        let inner = Arc::clone(inner);
+                        let metrics = Arc::clone(&metrics);
+                        let stop = stop.clone();
+                        tasks.spawn(async move {
+                            let result = inner.process_batch(batch, &metrics, &stop).await;
+                            drop(permit);
+                            result
+                        });
+                    }
                     Some(Ok(delivery)) => {
                         reconnect = inner.settings.reconnect.delays();
                         match delivery.ordering_key().map(str::to_owned) {
@@ -495,6 +581,19 @@ fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "non-text panic payload".to_owned())
 }
 
+/// What a batch's transaction did with one of its messages.
+enum Fate {
+    /// Handled; committed with the batch.
+    Handled,
+    /// Done or dead-lettered before.
+    Duplicate,
+    /// Failed permanently; the dead letter is published and the row marked dead in the batch.
+    DeadLettered(String),
+    /// Not handled in the batch (failed, exhausted, or behind a failed one of its key): the
+    /// per-message way after the commit.
+    Later,
+}
+
 /// How one delivery ended, for the span and the logs.
 #[derive(Debug, Clone, Copy)]
 enum Outcome {
@@ -544,6 +643,193 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
             Some(d) => d.clone(),
             None => format!("{}.dead-letter", self.source),
         }
+    }
+
+    /// Batch mode: see [`Consumer::batch`].
+    async fn process_batch(
+        &self,
+        deliveries: Vec<Box<dyn Delivery>>,
+        metrics: &Metrics,
+        stop: &CancellationToken,
+    ) -> Result<(), ConsumerError> {
+        let span = tracing::info_span!(
+            "inbox.batch",
+            consumer = %self.name,
+            transport = self.transport.name(),
+            size = deliveries.len(),
+            processed = field::Empty,
+            duplicates = field::Empty,
+            later = field::Empty,
+        );
+        async {
+            // Bad input and copies of a message already in the batch go the per-message way.
+            let mut entries: Vec<(Box<dyn Delivery>, MessageId)> = Vec::new();
+            let mut later: Vec<Box<dyn Delivery>> = Vec::new();
+            let mut ids = Vec::new();
+            let mut seen = std::collections::HashSet::new();
+            for delivery in deliveries {
+                let id = match self.settings.id_strategy.extract(&*delivery) {
+                    Ok(id) if delivery.payload().len() <= self.settings.max_payload_bytes => id,
+                    _ => {
+                        self.process(delivery, metrics, stop).await?;
+                        continue;
+                    }
+                };
+                if seen.insert(id.clone()) {
+                    ids.push(id.clone());
+                    entries.push((delivery, id));
+                } else {
+                    later.push(delivery);
+                }
+            }
+            if entries.is_empty() {
+                return self.process_each(later, metrics, stop).await;
+            }
+            let fates = match self.handle_batch(&entries, &ids, metrics).await {
+                Ok(fates) => fates,
+                Err(e) => {
+                    // The batch's transaction is gone (rolled back, or its commit's outcome is
+                    // unknown): every message goes the per-message way, which waits out an
+                    // outage and finds what did commit.
+                    tracing::warn!(error = %e, "batch failed; handling its messages one by one");
+                    let all = entries.into_iter().map(|(d, _)| d).chain(later).collect();
+                    return self.process_each(all, metrics, stop).await;
+                }
+            };
+            let (mut processed, mut duplicates) = (0u64, 0u64);
+            let mut deferred = Vec::new();
+            for ((delivery, id), fate) in entries.into_iter().zip(fates) {
+                match fate {
+                    Fate::Handled => {
+                        bump(&self.counters.deliveries);
+                        if let Some(hook) = &self.settings.after_commit.0 {
+                            hook(&id).await;
+                        }
+                        self.ack(delivery).await;
+                        bump(&self.counters.processed);
+                        metrics.processed();
+                        processed += 1;
+                    }
+                    Fate::Duplicate => {
+                        bump(&self.counters.deliveries);
+                        self.ack(delivery).await;
+                        bump(&self.counters.duplicates);
+                        metrics.duplicate();
+                        duplicates += 1;
+                    }
+                    Fate::DeadLettered(reason) => {
+                        bump(&self.counters.deliveries);
+                        self.ack(delivery).await;
+                        self.count_dead_letter(metrics, &reason);
+                    }
+                    Fate::Later => deferred.push(delivery),
+                }
+            }
+            deferred.extend(later);
+            let current = tracing::Span::current();
+            current.record("processed", processed);
+            current.record("duplicates", duplicates);
+            current.record("later", deferred.len());
+            self.process_each(deferred, metrics, stop).await
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// One after another, in order, the per-message way.
+    async fn process_each(
+        &self,
+        deliveries: Vec<Box<dyn Delivery>>,
+        metrics: &Metrics,
+        stop: &CancellationToken,
+    ) -> Result<(), ConsumerError> {
+        for delivery in deliveries {
+            self.process(delivery, metrics, stop).await?;
+        }
+        Ok(())
+    }
+
+    /// The batch's transaction: claim all, handle each claimed one in a savepoint, commit.
+    async fn handle_batch(
+        &self,
+        entries: &[(Box<dyn Delivery>, MessageId)],
+        ids: &[MessageId],
+        metrics: &Metrics,
+    ) -> Result<Vec<Fate>, StoreError> {
+        let mut tx = self.store.begin().await?;
+        let claims = metrics
+            .time_claim(self.store.claim_batch(&mut tx, &self.name, ids))
+            .await?;
+        self.store_outage.succeeded();
+        let ordered = self.transport.capabilities().ordered;
+        let policy = &self.settings.retry;
+        // Keys with a message that waits: their later messages wait too (ordered transports).
+        let mut waiting: std::collections::HashSet<String> = std::collections::HashSet::new();
+        let mut fates = Vec::with_capacity(entries.len());
+        for ((delivery, id), claim) in entries.iter().zip(claims) {
+            let key = if ordered {
+                delivery.ordering_key().map(str::to_owned)
+            } else {
+                None
+            };
+            let attempts = match claim {
+                Claim::Claimed { attempts, .. } => attempts,
+                Claim::Done | Claim::Dead => {
+                    fates.push(Fate::Duplicate);
+                    continue;
+                }
+            };
+            let attempt = attempts.saturating_add(1);
+            let blocked = key.as_ref().is_some_and(|k| waiting.contains(k));
+            let exhausted = attempt > policy.max_attempts
+                || delivery
+                    .delivery_count()
+                    .is_some_and(|n| n > policy.max_deliveries);
+            if blocked || exhausted {
+                // The per-message way dead-letters an exhausted one with its reason.
+                self.store
+                    .release_claim(&mut tx, &self.name, id, None)
+                    .await?;
+                waiting.extend(key);
+                fates.push(Fate::Later);
+                continue;
+            }
+            self.store.savepoint(&mut tx).await?;
+            match self
+                .run_handler(id, &**delivery, attempt, &mut tx, metrics)
+                .await
+            {
+                Ok(()) => {
+                    self.store.release_savepoint(&mut tx).await?;
+                    fates.push(Fate::Handled);
+                }
+                Err(failure) => {
+                    self.store.rollback_to_savepoint(&mut tx).await?;
+                    bump(&self.counters.failed);
+                    metrics.failed();
+                    tracing::warn!(message_id = %id, attempt, error = %failure.reason, "attempt failed in a batch");
+                    if failure.kind == ErrorKind::Permanent
+                        && self
+                            .publish_dead_letter(&**delivery, Some(id), attempt, &failure.reason)
+                            .await
+                            .is_ok()
+                    {
+                        self.store
+                            .mark_dead_claimed(&mut tx, &self.name, id, attempt, &failure.reason)
+                            .await?;
+                        fates.push(Fate::DeadLettered(failure.reason));
+                        continue;
+                    }
+                    self.store
+                        .release_claim(&mut tx, &self.name, id, Some((attempt, &failure.reason)))
+                        .await?;
+                    waiting.extend(key);
+                    fates.push(Fate::Later);
+                }
+            }
+        }
+        self.store.commit(tx).await?;
+        Ok(fates)
     }
 
     async fn process(

@@ -23,7 +23,7 @@ mod retry;
 pub mod store;
 mod transport;
 
-pub use consumer::{AfterCommit, Consumer, ConsumerReport, dead_letter_headers};
+pub use consumer::{AfterCommit, Batching, Consumer, ConsumerReport, dead_letter_headers};
 pub use error::{
     BoxError, ConsumerError, ErrorKind, HandlerError, InvalidName, StoreError, TransportError,
 };

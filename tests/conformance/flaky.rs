@@ -1,5 +1,6 @@
 //! A store that can be switched off: every call fails as the database going away would
-//! (transient `Unavailable`), and the calls made while it is off are counted.
+//! (transient `Unavailable`), and the calls made while it is off are counted. It also counts the
+//! transactions begun.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -14,6 +15,7 @@ pub struct FlakyStore<S> {
     inner: S,
     down: Arc<AtomicBool>,
     refused: Arc<AtomicU64>,
+    begun: Arc<AtomicU64>,
 }
 
 impl<S> FlakyStore<S> {
@@ -22,11 +24,17 @@ impl<S> FlakyStore<S> {
             inner,
             down: Arc::default(),
             refused: Arc::default(),
+            begun: Arc::default(),
         }
     }
 
     pub fn set_down(&self, down: bool) {
         self.down.store(down, Ordering::SeqCst);
+    }
+
+    /// Transactions begun since the start.
+    pub fn begun(&self) -> u64 {
+        self.begun.load(Ordering::SeqCst)
     }
 
     /// Calls refused since the start.
@@ -56,6 +64,7 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
     }
     async fn begin(&self) -> Result<S::Tx, StoreError> {
         self.check()?;
+        self.begun.fetch_add(1, Ordering::SeqCst);
         self.inner.begin().await
     }
     async fn claim(
@@ -66,6 +75,37 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
     ) -> Result<Claim, StoreError> {
         self.check()?;
         self.inner.claim(tx, consumer, id).await
+    }
+    async fn claim_batch(
+        &self,
+        tx: &mut S::Tx,
+        consumer: &ConsumerName,
+        ids: &[MessageId],
+    ) -> Result<Vec<Claim>, StoreError> {
+        self.check()?;
+        self.inner.claim_batch(tx, consumer, ids).await
+    }
+    async fn savepoint(&self, tx: &mut S::Tx) -> Result<(), StoreError> {
+        self.check()?;
+        self.inner.savepoint(tx).await
+    }
+    async fn rollback_to_savepoint(&self, tx: &mut S::Tx) -> Result<(), StoreError> {
+        self.check()?;
+        self.inner.rollback_to_savepoint(tx).await
+    }
+    async fn release_savepoint(&self, tx: &mut S::Tx) -> Result<(), StoreError> {
+        self.check()?;
+        self.inner.release_savepoint(tx).await
+    }
+    async fn release_claim(
+        &self,
+        tx: &mut S::Tx,
+        consumer: &ConsumerName,
+        id: &MessageId,
+        failure: Option<(u32, &str)>,
+    ) -> Result<(), StoreError> {
+        self.check()?;
+        self.inner.release_claim(tx, consumer, id, failure).await
     }
     async fn mark_dead_claimed(
         &self,

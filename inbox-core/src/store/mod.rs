@@ -136,6 +136,36 @@ pub trait InboxStore: Send + Sync + 'static {
         id: &MessageId,
     ) -> Result<Claim, StoreError>;
 
+    /// Claims many messages in ONE statement (batch mode): the result says, for each id in
+    /// order, [`Claim::Claimed`] or [`Claim::Done`] (done or dead: not to be handled). `ids` must
+    /// be distinct. Rows are locked in id order, so batches that overlap do not deadlock.
+    async fn claim_batch(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &ConsumerName,
+        ids: &[MessageId],
+    ) -> Result<Vec<Claim>, StoreError>;
+
+    /// Opens a savepoint in `tx` (batch mode: one per message, so that a failing handler's
+    /// writes can be undone without losing the others').
+    async fn savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError>;
+
+    /// Undoes everything since [`savepoint`](Self::savepoint) and closes it.
+    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError>;
+
+    /// Keeps everything since [`savepoint`](Self::savepoint) and closes it.
+    async fn release_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError>;
+
+    /// Gives back a row claimed in `tx` without handling it (batch mode): not processed, and,
+    /// with `failure = Some((attempt, error))`, with that failed attempt recorded in `tx`.
+    async fn release_claim(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &ConsumerName,
+        id: &MessageId,
+        failure: Option<(u32, &str)>,
+    ) -> Result<(), StoreError>;
+
     /// Turns a claimed row into a dead-lettered one, in the claim's transaction.
     async fn mark_dead_claimed(
         &self,
@@ -236,6 +266,26 @@ pub trait InboxStore: Send + Sync + 'static {
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub fn release_clean<C: sqlx::Connection>(conn: &mut C) -> bool {
     !conn.is_in_transaction()
+}
+
+/// The batch claim's answer in the order of `ids`, from the rows it returned (id, attempts, last
+/// error); an id without a row was done or dead.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub(crate) fn batch_claims(
+    ids: &[MessageId],
+    rows: impl Iterator<Item = (String, u32, Option<String>)>,
+) -> Vec<Claim> {
+    let mut claimed: std::collections::HashMap<String, (u32, Option<String>)> =
+        rows.map(|(id, a, e)| (id, (a, e))).collect();
+    ids.iter()
+        .map(|id| match claimed.remove(id.as_str()) {
+            Some((attempts, last_error)) => Claim::Claimed {
+                attempts,
+                last_error,
+            },
+            None => Claim::Done,
+        })
+        .collect()
 }
 
 /// Cuts an error text to [`MAX_ERROR_CHARS`].

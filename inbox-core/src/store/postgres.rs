@@ -57,6 +57,15 @@ ON CONFLICT (consumer, message_id) DO UPDATE SET processed_at = now()
   WHERE inbox_messages.processed_at IS NULL AND inbox_messages.dead_lettered_at IS NULL
 RETURNING attempts, last_error";
 
+/// The batch claim: the same upsert over an array of ids, taken in id order so that two batches
+/// sharing ids lock them in the same order.
+const CLAIM_BATCH: &str = "\
+INSERT INTO inbox_messages (consumer, message_id, processed_at)
+SELECT $1, id, now() FROM unnest($2::text[]) AS t(id) ORDER BY id
+ON CONFLICT (consumer, message_id) DO UPDATE SET processed_at = now()
+  WHERE inbox_messages.processed_at IS NULL AND inbox_messages.dead_lettered_at IS NULL
+RETURNING message_id, attempts, last_error";
+
 #[async_trait]
 impl InboxStore for PostgresStore {
     type Tx = PgTx;
@@ -124,6 +133,74 @@ impl InboxStore for PostgresStore {
         .await
         .map_err(store_error)?;
         Ok(if dead { Claim::Dead } else { Claim::Done })
+    }
+
+    async fn claim_batch(
+        &self,
+        tx: &mut PgTx,
+        consumer: &ConsumerName,
+        ids: &[MessageId],
+    ) -> Result<Vec<Claim>, StoreError> {
+        let texts: Vec<&str> = ids.iter().map(MessageId::as_str).collect();
+        let rows: Vec<(String, i32, Option<String>)> = sqlx::query_as(CLAIM_BATCH)
+            .bind(consumer.as_str())
+            .bind(&texts)
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(store_error)?;
+        Ok(super::batch_claims(
+            ids,
+            rows.into_iter()
+                .map(|(id, attempts, e)| (id, attempts.max(0) as u32, e)),
+        ))
+    }
+
+    async fn savepoint(&self, tx: &mut PgTx) -> Result<(), StoreError> {
+        sqlx::query("SAVEPOINT inbox_message")
+            .execute(&mut **tx)
+            .await
+            .map(drop)
+            .map_err(store_error)
+    }
+
+    async fn rollback_to_savepoint(&self, tx: &mut PgTx) -> Result<(), StoreError> {
+        sqlx::query("ROLLBACK TO SAVEPOINT inbox_message")
+            .execute(&mut **tx)
+            .await
+            .map_err(store_error)?;
+        self.release_savepoint(tx).await
+    }
+
+    async fn release_savepoint(&self, tx: &mut PgTx) -> Result<(), StoreError> {
+        sqlx::query("RELEASE SAVEPOINT inbox_message")
+            .execute(&mut **tx)
+            .await
+            .map(drop)
+            .map_err(store_error)
+    }
+
+    async fn release_claim(
+        &self,
+        tx: &mut PgTx,
+        consumer: &ConsumerName,
+        id: &MessageId,
+        failure: Option<(u32, &str)>,
+    ) -> Result<(), StoreError> {
+        let (attempt, error) = failure.map_or((0, None), |(a, e)| (a, Some(truncate_error(e))));
+        sqlx::query(
+            "UPDATE inbox_messages SET processed_at = NULL,
+                attempts = GREATEST(attempts + CASE WHEN $4::text IS NULL THEN 0 ELSE 1 END, $3),
+                last_error = COALESCE($4, last_error)
+             WHERE consumer = $1 AND message_id = $2",
+        )
+        .bind(consumer.as_str())
+        .bind(id.as_str())
+        .bind(attempt as i32)
+        .bind(error)
+        .execute(&mut **tx)
+        .await
+        .map_err(store_error)?;
+        Ok(())
     }
 
     async fn mark_dead_claimed(

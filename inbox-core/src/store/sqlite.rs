@@ -150,6 +150,86 @@ impl InboxStore for SqliteStore {
         Ok(if dead { Claim::Dead } else { Claim::Done })
     }
 
+    async fn claim_batch(
+        &self,
+        tx: &mut SqliteTx,
+        consumer: &ConsumerName,
+        ids: &[MessageId],
+    ) -> Result<Vec<Claim>, StoreError> {
+        let texts: Vec<&str> = ids.iter().map(MessageId::as_str).collect();
+        let json = serde_json::to_string(&texts).expect("strings serialize");
+        // `WHERE true` tells SQLite's parser that ON CONFLICT belongs to the INSERT.
+        let rows: Vec<(String, i64, Option<String>)> = sqlx::query_as(concat!(
+            "INSERT INTO inbox_messages (consumer, message_id, processed_at)
+             SELECT $1, value, ",
+            now!(),
+            " FROM json_each($2) WHERE true ORDER BY value
+             ON CONFLICT (consumer, message_id) DO UPDATE SET processed_at = ",
+            now!(),
+            "
+               WHERE inbox_messages.processed_at IS NULL AND inbox_messages.dead_lettered_at IS NULL
+             RETURNING message_id, attempts, last_error"
+        ))
+        .bind(consumer.as_str())
+        .bind(json)
+        .fetch_all(&mut **tx)
+        .await
+        .map_err(store_error)?;
+        Ok(super::batch_claims(
+            ids,
+            rows.into_iter()
+                .map(|(id, a, e)| (id, a.clamp(0, i64::from(u32::MAX)) as u32, e)),
+        ))
+    }
+
+    async fn savepoint(&self, tx: &mut SqliteTx) -> Result<(), StoreError> {
+        sqlx::query("SAVEPOINT inbox_message")
+            .execute(&mut **tx)
+            .await
+            .map(drop)
+            .map_err(store_error)
+    }
+
+    async fn rollback_to_savepoint(&self, tx: &mut SqliteTx) -> Result<(), StoreError> {
+        sqlx::query("ROLLBACK TO SAVEPOINT inbox_message")
+            .execute(&mut **tx)
+            .await
+            .map_err(store_error)?;
+        self.release_savepoint(tx).await
+    }
+
+    async fn release_savepoint(&self, tx: &mut SqliteTx) -> Result<(), StoreError> {
+        sqlx::query("RELEASE SAVEPOINT inbox_message")
+            .execute(&mut **tx)
+            .await
+            .map(drop)
+            .map_err(store_error)
+    }
+
+    async fn release_claim(
+        &self,
+        tx: &mut SqliteTx,
+        consumer: &ConsumerName,
+        id: &MessageId,
+        failure: Option<(u32, &str)>,
+    ) -> Result<(), StoreError> {
+        let (attempt, error) = failure.map_or((0, None), |(a, e)| (a, Some(truncate_error(e))));
+        sqlx::query(
+            "UPDATE inbox_messages SET processed_at = NULL,
+                attempts = MAX(attempts + CASE WHEN $4 IS NULL THEN 0 ELSE 1 END, $3),
+                last_error = COALESCE($4, last_error)
+             WHERE consumer = $1 AND message_id = $2",
+        )
+        .bind(consumer.as_str())
+        .bind(id.as_str())
+        .bind(i64::from(attempt))
+        .bind(error)
+        .execute(&mut **tx)
+        .await
+        .map_err(store_error)?;
+        Ok(())
+    }
+
     async fn mark_dead_claimed(
         &self,
         tx: &mut SqliteTx,
