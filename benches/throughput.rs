@@ -1,5 +1,5 @@
-//! What the inbox costs, measured side by side in one run (issue 6) — so far on the in-memory
-//! transport against PostgreSQL (`DATABASE_URL`):
+//! What the inbox costs, measured side by side in one run (issue 6), for each transport (memory,
+//! RabbitMQ at `AMQP_URL`, Kafka at `KAFKA_BROKERS`) against PostgreSQL (`DATABASE_URL`):
 //!
 //! - inbox per message, and in batch mode;
 //! - the same consumer with no inbox (business write + commit + ack);
@@ -8,16 +8,23 @@
 //! - the ceilings: `pgbench` running the inbox's transaction shape (claim + business insert +
 //!   commit) at the same concurrency, and the broker's raw consume+ack rate.
 //!
-//! `cargo bench --bench throughput --all-features -- [--messages N] [--concurrency C]`
+//! `cargo bench --bench throughput --all-features -- [--transport memory|rabbitmq|kafka|all]
+//! [--messages N] [--concurrency C]`
+//!
+//! Each mode gets a source of its own with N messages published before it starts (the "copies"
+//! modes: each message twice in a row, so that the copies are handled at once); its clock starts
+//! at the first settled delivery (connecting and joining a group are not counted) and stops when
+//! every delivery is settled.
 //!
 //! Ratios are what to read: the machine is shared and noisy, absolute rates are context only.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use futures::StreamExt;
-use inbox::memory::{Faults, MemoryBroker};
+use inbox::memory::MemoryBroker;
 use inbox::{
     AckToken, Batching, CancellationToken, Consumer, ConsumerName, Handler, HandlerError,
     InboxStore, Message, OutgoingMessage, PgTx, PostgresStore, Subscription, Transport,
@@ -26,9 +33,20 @@ use inbox::{
 use sqlx::{Connection, Executor, PgPool};
 use tokio::sync::Semaphore;
 
+#[derive(Clone, Copy, PartialEq, ValueEnum)]
+enum Which {
+    Memory,
+    Rabbitmq,
+    Kafka,
+    All,
+}
+
 #[derive(Parser)]
 #[command(about = "Inbox throughput against PostgreSQL, beside its baselines")]
 struct Args {
+    /// The transports to measure.
+    #[arg(long, value_enum, default_value = "all")]
+    transport: Which,
     /// Messages per measured mode.
     #[arg(long, default_value_t = 10_000)]
     messages: usize,
@@ -47,8 +65,6 @@ struct Args {
 }
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
-
-const TOPIC: &str = "bench";
 
 /// The business write every mode does: one row per handled message (not unique by message id,
 /// so a double effect shows as two rows).
@@ -92,16 +108,57 @@ impl Measured {
     }
 }
 
-async fn publish(broker: &MemoryBroker, topic: &str, group: &str, n: usize) {
-    broker.declare_group(topic, group);
-    for i in 0..n {
-        broker
-            .publish(
-                topic,
-                OutgoingMessage::new(format!("{group}-{i}"), format!(r#"{{"n":{i}}}"#)),
-            )
-            .await
-            .expect("publish");
+/// A transport to measure, and how to make one.
+struct Target {
+    name: &'static str,
+    transport: Arc<dyn Transport>,
+}
+
+/// A mode's own source with `n` messages waiting for consumer `run` (each twice in a row with
+/// `copies`). Returns the source and the messages published.
+async fn prepare(target: &Target, run: &str, n: usize, copies: bool) -> Result<(String, u64), Error> {
+    let source = format!("bench-{}", uuid::Uuid::new_v4().simple());
+    let subscription = Subscription::new(source.clone(), ConsumerName::new(run)?, 1);
+    target.transport.declare(&subscription).await?;
+    let per = if copies { 2 } else { 1 };
+    let messages = (0..n).flat_map(|i| {
+        std::iter::repeat_n(
+            OutgoingMessage::new(format!("{run}-{i}"), format!(r#"{{"n":{i}}}"#))
+                .with_key(i.to_string()),
+            per,
+        )
+    });
+    // Many publishes in flight: publishing is not what is measured.
+    let transport = &target.transport;
+    let source_ref = &source;
+    let results: Vec<_> = futures::stream::iter(messages)
+        .map(|m| async move { transport.publish(source_ref, m).await })
+        .buffered(64)
+        .collect()
+        .await;
+    for r in results {
+        r?;
+    }
+    Ok((source, (n * per) as u64))
+}
+
+/// Waits until `settled()` reaches `total`; the clock runs from the first settled delivery.
+async fn clock(total: u64, settled: impl Fn() -> u64) -> Result<f64, Error> {
+    let deadline = Instant::now() + Duration::from_secs(900);
+    let mut first = None;
+    loop {
+        let n = settled();
+        if n > 0 && first.is_none() {
+            first = Some(Instant::now());
+        }
+        if n >= total {
+            let first = first.expect("set above");
+            return Ok(first.elapsed().as_secs_f64().max(1e-3));
+        }
+        if Instant::now() > deadline {
+            return Err(format!("{n} of {total} deliveries settled after 15 min").into());
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
 
@@ -115,22 +172,25 @@ async fn doubles(pool: &PgPool, run: &str) -> Result<i64, Error> {
     .await?)
 }
 
+fn run_name(mode: &str) -> String {
+    format!("{mode}-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+}
+
 /// The inbox consumer, per message or batched.
 async fn inbox_mode(
     name: &'static str,
+    target: &Target,
     store: &PostgresStore,
     args: &Args,
     batch: Option<Batching>,
-    faults: Faults,
+    copies: bool,
 ) -> Result<Measured, Error> {
-    let run = format!("{name}-{}", uuid::Uuid::new_v4().simple());
-    let broker = MemoryBroker::with_faults(faults);
-    publish(&broker, TOPIC, &run, args.messages).await;
-    let transport: Arc<dyn Transport> = Arc::new(broker.clone());
+    let run = run_name("inbox");
+    let (source, total) = prepare(target, &run, args.messages, copies).await?;
     let mut consumer = Consumer::new(
         ConsumerName::new(run.clone())?,
-        TOPIC,
-        transport,
+        source,
+        Arc::clone(&target.transport),
         store.clone(),
         BenchHandler { run: run.clone() },
     )
@@ -139,22 +199,23 @@ async fn inbox_mode(
         consumer = consumer.batch(batch);
     }
     let token = CancellationToken::new();
-    let started = Instant::now();
     let mut running = {
         let (consumer, token) = (consumer.clone(), token.clone());
         tokio::spawn(async move { consumer.run(token).await })
     };
-    let groups = [run.as_str()];
-    tokio::select! {
-        settled = broker.wait_settled(TOPIC, &groups, Duration::from_secs(600)) => settled?,
+    let settled = || {
+        let r = consumer.report();
+        r.processed + r.duplicates_discarded + r.dead_lettered
+    };
+    let seconds = tokio::select! {
+        seconds = clock(total, settled) => seconds?,
         stopped = &mut running => return Err(format!("{name}: the consumer stopped: {stopped:?}").into()),
-    }
-    let seconds = started.elapsed().as_secs_f64();
+    };
     token.cancel();
     running.await??;
     Ok(Measured {
         name,
-        messages: args.messages,
+        messages: total as usize,
         seconds,
         doubles: Some(doubles(store.pool(), &run).await?),
     })
@@ -163,8 +224,9 @@ async fn inbox_mode(
 /// Consumes with `work` per delivery, `concurrency` at a time, then acks; no inbox engine.
 async fn hand_rolled<F, Fut>(
     name: &'static str,
+    target: &Target,
     args: &Args,
-    faults: Faults,
+    copies: bool,
     pool: &PgPool,
     work: F,
 ) -> Result<Measured, Error>
@@ -172,37 +234,36 @@ where
     F: Fn(String, String) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = Result<(), sqlx::Error>> + Send,
 {
-    let run = format!("{name}-{}", uuid::Uuid::new_v4().simple());
-    let broker = MemoryBroker::with_faults(faults);
-    publish(&broker, TOPIC, &run, args.messages).await;
-    let subscription = Subscription::new(TOPIC, ConsumerName::new(run.clone())?, 1024);
-    let mut stream = broker.subscribe(&subscription).await?;
+    let run = run_name("plain");
+    let (source, total) = prepare(target, &run, args.messages, copies).await?;
+    let subscription = Subscription::new(
+        source,
+        ConsumerName::new(run.clone())?,
+        u16::try_from(args.concurrency * 2).unwrap_or(u16::MAX),
+    );
+    let mut stream = target.transport.subscribe(&subscription).await?;
     let permits = Arc::new(Semaphore::new(args.concurrency));
     let work = Arc::new(work);
-    let started = Instant::now();
-    let waiter = {
-        let (broker, run) = (broker.clone(), run.clone());
-        tokio::spawn(async move {
-            broker
-                .wait_settled(TOPIC, &[&run], Duration::from_secs(600))
-                .await
-        })
-    };
+    let acked = Arc::new(AtomicU64::new(0));
     let consume = tokio::spawn({
-        let run = run.clone();
+        let (run, acked) = (run.clone(), Arc::clone(&acked));
         async move {
             let mut tasks = tokio::task::JoinSet::new();
             while let Some(delivery) = stream.next().await {
                 let permit = Arc::clone(&permits).acquire_owned().await?;
                 let delivery = delivery?;
-                let id = String::from_utf8_lossy(delivery.broker_message_id().unwrap_or_default())
-                    .into_owned();
-                let (work, run) = (Arc::clone(&work), run.clone());
+                let id = delivery
+                    .broker_message_id()
+                    .or_else(|| delivery.headers().get(inbox::DEFAULT_ID_HEADER))
+                    .map(|id| String::from_utf8_lossy(id).into_owned())
+                    .unwrap_or_default();
+                let (work, run, acked) = (Arc::clone(&work), run.clone(), Arc::clone(&acked));
                 tasks.spawn(async move {
                     let result = work(run, id).await;
                     if result.is_ok() {
                         // The baseline has no engine to hand it a proof of commit.
                         let _ = delivery.ack(AckToken::for_transport_tests()).await;
+                        acked.fetch_add(1, Ordering::SeqCst);
                     }
                     drop(permit);
                     result
@@ -214,25 +275,22 @@ where
             Ok::<(), Error>(())
         }
     });
-    // Settled: every delivery acked, so the workers are done; the consuming loop never ends on
-    // its own (the stream waits for more).
-    let settled = tokio::select! {
-        settled = waiter => settled?,
+    let seconds = tokio::select! {
+        seconds = clock(total, || acked.load(Ordering::SeqCst)) => seconds?,
         stopped = consume => return Err(format!("{name}: the consumer stopped: {stopped:?}").into()),
     };
-    settled?;
     Ok(Measured {
         name,
-        messages: args.messages,
-        seconds: started.elapsed().as_secs_f64(),
+        messages: total as usize,
+        seconds,
         doubles: Some(doubles(pool, &run).await?),
     })
 }
 
 /// The business write alone: BEGIN, insert, COMMIT, ack.
-async fn no_inbox(args: &Args, pool: &PgPool) -> Result<Measured, Error> {
+async fn no_inbox(target: &Target, args: &Args, pool: &PgPool) -> Result<Measured, Error> {
     let p = pool.clone();
-    hand_rolled("no inbox", args, Faults::none(), pool, move |run, id| {
+    hand_rolled("no inbox", target, args, false, pool, move |run, id| {
         let pool = p.clone();
         async move {
             let mut tx = pool.begin().await?;
@@ -246,12 +304,13 @@ async fn no_inbox(args: &Args, pool: &PgPool) -> Result<Measured, Error> {
 /// The seed article's algorithm: look the id up; if unseen, handle and insert it.
 async fn naive(
     name: &'static str,
+    target: &Target,
     args: &Args,
-    faults: Faults,
+    copies: bool,
     pool: &PgPool,
 ) -> Result<Measured, Error> {
     let p = pool.clone();
-    hand_rolled(name, args, faults, pool, move |run, id| {
+    hand_rolled(name, target, args, copies, pool, move |run, id| {
         let pool = p.clone();
         async move {
             let seen: Option<i32> = sqlx::query_scalar(
@@ -281,21 +340,21 @@ async fn naive(
 }
 
 /// The broker alone: consume and ack.
-async fn raw_broker(args: &Args) -> Result<Measured, Error> {
-    let run = format!("raw-{}", uuid::Uuid::new_v4().simple());
-    let broker = MemoryBroker::new();
-    publish(&broker, TOPIC, &run, args.messages).await;
-    let subscription = Subscription::new(TOPIC, ConsumerName::new(run.clone())?, 1024);
-    let mut stream = broker.subscribe(&subscription).await?;
-    let started = Instant::now();
-    for _ in 0..args.messages {
-        let delivery = stream.next().await.expect("a delivery")?;
+async fn raw_broker(target: &Target, args: &Args) -> Result<Measured, Error> {
+    let run = run_name("raw");
+    let (source, total) = prepare(target, &run, args.messages, false).await?;
+    let subscription = Subscription::new(source, ConsumerName::new(run.clone())?, 1024);
+    let mut stream = target.transport.subscribe(&subscription).await?;
+    let mut first = None;
+    for _ in 0..total {
+        let delivery = stream.next().await.ok_or("the stream ended")??;
+        first.get_or_insert_with(Instant::now);
         delivery.ack(AckToken::for_transport_tests()).await?;
     }
     Ok(Measured {
         name: "broker consume+ack",
-        messages: args.messages,
-        seconds: started.elapsed().as_secs_f64(),
+        messages: total as usize,
+        seconds: first.map_or(1e-3, |f| f.elapsed().as_secs_f64().max(1e-3)),
         doubles: None,
     })
 }
@@ -386,6 +445,38 @@ fn main() -> Result<(), Error> {
         .block_on(bench(args))
 }
 
+fn targets(which: Which) -> Result<Vec<Target>, Error> {
+    let mut targets = Vec::new();
+    if matches!(which, Which::Memory | Which::All) {
+        targets.push(Target {
+            name: "memory",
+            transport: Arc::new(MemoryBroker::new()),
+        });
+    }
+    if matches!(which, Which::Rabbitmq | Which::All) {
+        let url = std::env::var("AMQP_URL")
+            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+        targets.push(Target {
+            name: "rabbitmq",
+            transport: Arc::new(inbox::rabbitmq::RabbitMqTransport::new(
+                url,
+                Default::default(),
+            )),
+        });
+    }
+    if matches!(which, Which::Kafka | Which::All) {
+        let brokers =
+            std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".to_owned());
+        targets.push(Target {
+            name: "kafka",
+            transport: Arc::new(inbox::kafka::KafkaTransport::new(
+                inbox::kafka::KafkaConfig::new(brokers),
+            )?),
+        });
+    }
+    Ok(targets)
+}
+
 async fn bench(args: Args) -> Result<(), Error> {
     let url = fresh_database(&args.database).await?;
     let store = PostgresStore::connect(&url, (args.concurrency + 2) as u32).await?;
@@ -399,73 +490,68 @@ async fn bench(args: Args) -> Result<(), Error> {
         pool.execute(ddl).await?;
     }
     println!(
-        "inbox throughput: {} messages per mode, {} in flight, memory transport, PostgreSQL",
+        "inbox throughput: {} messages per mode, {} in flight, PostgreSQL",
         args.messages, args.concurrency
     );
-    // Concurrent copies of every message (as after a lost ack, or a second instance).
-    let copies = || Faults::seeded(7).concurrent_copy(1.0).max_per_message(1);
-    let raw = raw_broker(&args).await?;
-    let per_message = inbox_mode("inbox per message", &store, &args, None, Faults::none()).await?;
-    let batched = inbox_mode(
-        "inbox batch (100, 5 ms)",
-        &store,
-        &args,
-        Some(Batching::new(100, Duration::from_millis(5))),
-        Faults::none(),
-    )
-    .await?;
-    let plain = no_inbox(&args, &pool).await?;
-    let naive_rate = naive("naive check-then-insert", &args, Faults::none(), &pool).await?;
-    let naive_copies = naive("naive, concurrent copies", &args, copies(), &pool).await?;
-    let inbox_copies =
-        inbox_mode("inbox, concurrent copies", &store, &args, None, copies()).await?;
     let ceiling = pgbench(&args, &url).await?;
-
-    println!();
-    println!("{:<28}{:>12}{:>16}", "mode", "msgs/s", "double effects");
-    for m in [
-        &per_message,
-        &batched,
-        &plain,
-        &naive_rate,
-        &inbox_copies,
-        &naive_copies,
-        &ceiling,
-        &raw,
-    ] {
-        let doubles = m.doubles.map_or("-".to_owned(), |d| d.to_string());
-        println!("{:<28}{:>12.0}{:>16}", m.name, m.rate(), doubles);
-    }
-    println!();
-    let ratio = |a: &Measured, b: &Measured| a.rate() / b.rate();
-    let line = |what: &str, value: f64, target: f64| {
-        let verdict = if value >= target { "met" } else { "NOT met" };
-        println!("{what:<40}{value:>8.2}   target >= {target:<6} {verdict}");
-    };
-    line(
-        "inbox per message / pgbench",
-        ratio(&per_message, &ceiling),
-        0.9,
-    );
-    line(
-        "inbox per message / no inbox",
-        ratio(&per_message, &plain),
-        0.8,
-    );
-    line("batch / broker consume+ack", ratio(&batched, &raw), 0.5);
-    line("batch / per message", ratio(&batched, &per_message), 10.0);
-    line(
-        "inbox per message / naive",
-        ratio(&per_message, &naive_rate),
-        1.2,
-    );
     println!(
-        "double effects under concurrent copies: inbox {}, naive {}",
-        inbox_copies.doubles.unwrap_or(0),
-        naive_copies.doubles.unwrap_or(0)
+        "pgbench, the inbox's transaction shape, {} clients: {:.0} tx/s",
+        args.concurrency,
+        ceiling.rate()
     );
+    for target in targets(args.transport)? {
+        let t = &target;
+        let raw = raw_broker(t, &args).await?;
+        let per_message = inbox_mode("inbox per message", t, &store, &args, None, false).await?;
+        let batched = inbox_mode(
+            "inbox batch (100, 5 ms)",
+            t,
+            &store,
+            &args,
+            Some(Batching::new(100, Duration::from_millis(5))),
+            false,
+        )
+        .await?;
+        let plain = no_inbox(t, &args, &pool).await?;
+        let naive_rate = naive("naive check-then-insert", t, &args, false, &pool).await?;
+        let inbox_copies =
+            inbox_mode("inbox, copies at once", t, &store, &args, None, true).await?;
+        let naive_copies = naive("naive, copies at once", t, &args, true, &pool).await?;
+
+        println!();
+        println!("== {} ==", t.name);
+        println!("{:<28}{:>12}{:>16}", "mode", "msgs/s", "double effects");
+        for m in [
+            &per_message,
+            &batched,
+            &plain,
+            &naive_rate,
+            &inbox_copies,
+            &naive_copies,
+            &ceiling,
+            &raw,
+        ] {
+            let doubles = m.doubles.map_or("-".to_owned(), |d| d.to_string());
+            println!("{:<28}{:>12.0}{:>16}", m.name, m.rate(), doubles);
+        }
+        let ratio = |a: &Measured, b: &Measured| a.rate() / b.rate();
+        let line = |what: &str, value: f64, target: f64| {
+            let verdict = if value >= target { "met" } else { "NOT met" };
+            println!("{what:<36}{value:>8.2}   target >= {target:<5} {verdict}");
+        };
+        line("inbox per message / pgbench", ratio(&per_message, &ceiling), 0.9);
+        line("inbox per message / no inbox", ratio(&per_message, &plain), 0.8);
+        line("batch / broker consume+ack", ratio(&batched, &raw), 0.5);
+        line("batch / per message", ratio(&batched, &per_message), 10.0);
+        line("inbox per message / naive", ratio(&per_message, &naive_rate), 1.2);
+        println!(
+            "double effects with copies at once: inbox {}, naive {}",
+            inbox_copies.doubles.unwrap_or(0),
+            naive_copies.doubles.unwrap_or(0)
+        );
+    }
     if let Some(rss) = peak_rss_mib() {
-        println!("peak RSS of the bench process: {rss:.0} MiB");
+        println!("\npeak RSS of the bench process: {rss:.0} MiB");
     }
     Ok(())
 }
