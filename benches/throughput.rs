@@ -116,7 +116,12 @@ struct Target {
 
 /// A mode's own source with `n` messages waiting for consumer `run` (each twice in a row with
 /// `copies`). Returns the source and the messages published.
-async fn prepare(target: &Target, run: &str, n: usize, copies: bool) -> Result<(String, u64), Error> {
+async fn prepare(
+    target: &Target,
+    run: &str,
+    n: usize,
+    copies: bool,
+) -> Result<(String, u64), Error> {
     let source = format!("bench-{}", uuid::Uuid::new_v4().simple());
     let subscription = Subscription::new(source.clone(), ConsumerName::new(run)?, 1);
     target.transport.declare(&subscription).await?;
@@ -173,7 +178,10 @@ async fn doubles(pool: &PgPool, run: &str) -> Result<i64, Error> {
 }
 
 fn run_name(mode: &str) -> String {
-    format!("{mode}-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+    format!(
+        "{mode}-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    )
 }
 
 /// The inbox consumer, per message or batched.
@@ -539,11 +547,23 @@ async fn bench(args: Args) -> Result<(), Error> {
             let verdict = if value >= target { "met" } else { "NOT met" };
             println!("{what:<36}{value:>8.2}   target >= {target:<5} {verdict}");
         };
-        line("inbox per message / pgbench", ratio(&per_message, &ceiling), 0.9);
-        line("inbox per message / no inbox", ratio(&per_message, &plain), 0.8);
+        line(
+            "inbox per message / pgbench",
+            ratio(&per_message, &ceiling),
+            0.9,
+        );
+        line(
+            "inbox per message / no inbox",
+            ratio(&per_message, &plain),
+            0.8,
+        );
         line("batch / broker consume+ack", ratio(&batched, &raw), 0.5);
         line("batch / per message", ratio(&batched, &per_message), 10.0);
-        line("inbox per message / naive", ratio(&per_message, &naive_rate), 1.2);
+        line(
+            "inbox per message / naive",
+            ratio(&per_message, &naive_rate),
+            1.2,
+        );
         println!(
             "double effects with copies at once: inbox {}, naive {}",
             inbox_copies.doubles.unwrap_or(0),
