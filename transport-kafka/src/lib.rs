@@ -356,22 +356,27 @@ impl KafkaTransport {
                 let (low, high) = consumer
                     .fetch_watermarks(&topic, partition, timeout)
                     .map_err(transient)?;
+                // Every partition, even one that looks empty: a broker may report a high
+                // watermark behind its last record (tansu 0.6 does), so the end is also found by
+                // a quiet spell after the watermarks are reached.
+                list.add_partition_offset(&topic, partition, Offset::Offset(low))
+                    .map_err(transient)?;
                 if high > low {
-                    list.add_partition_offset(&topic, partition, Offset::Offset(low))
-                        .map_err(transient)?;
                     ends.insert(partition, high);
                 }
             }
             let mut records = Vec::new();
-            if ends.is_empty() {
-                return Ok(records);
-            }
             consumer.assign(&list).map_err(transient)?;
             let deadline = std::time::Instant::now() + Duration::from_secs(30);
-            while !ends.is_empty() && std::time::Instant::now() < deadline {
-                let Some(next) = consumer.poll(Duration::from_millis(200)) else {
+            let quiet = Duration::from_millis(750);
+            let mut last_record = std::time::Instant::now();
+            while std::time::Instant::now() < deadline
+                && (!ends.is_empty() || last_record.elapsed() < quiet)
+            {
+                let Some(next) = consumer.poll(Duration::from_millis(100)) else {
                     continue;
                 };
+                last_record = std::time::Instant::now();
                 let message = next.map_err(transient)?;
                 let headers = headers_of(&message);
                 records.push(OutgoingMessage {
