@@ -239,10 +239,13 @@ impl ConsumerProcess {
             .await
             .unwrap();
         assert!(killed.success());
-        let status = tokio::time::timeout(DEADLINE, self.child.wait())
-            .await
-            .expect("the consumer drains and exits after SIGTERM")
-            .unwrap();
+        let Ok(status) = tokio::time::timeout(DEADLINE, self.child.wait()).await else {
+            panic!(
+                "the consumer did not exit within {DEADLINE:?} after SIGTERM; its log:\n{}",
+                outcomes.lines.lock().unwrap().join("\n")
+            );
+        };
+        let status = status.unwrap();
         let _ = self.reader.await;
         assert!(
             status.success(),

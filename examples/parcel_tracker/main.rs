@@ -137,13 +137,17 @@ fn main() -> ExitCode {
         .enable_all()
         .build()
         .expect("tokio runtime");
-    match runtime.block_on(run(cli)) {
+    let code = match runtime.block_on(run(cli)) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("parcel_tracker: {e}");
             ExitCode::FAILURE
         }
-    }
+    };
+    // Everything is drained by now. Dropping the runtime would wait for ever for a broker
+    // client's background work that outlived its connection (seen after a RabbitMQ restart).
+    runtime.shutdown_timeout(Duration::from_secs(2));
+    code
 }
 
 type Error = Box<dyn std::error::Error + Send + Sync>;

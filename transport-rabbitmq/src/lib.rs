@@ -690,7 +690,7 @@ fn settled(result: lapin::Result<bool>, what: &str) -> Result<(), TransportError
     match result {
         Ok(true) => Ok(()),
         Ok(false) => Err(TransportError::AckLost(
-            format!("{what} not sent: the channel is closed or the delivery was already settled")
+            format!("{what} not sent: the channel is closed, the delivery was already settled, or the connection did not take it within {SETTLE_TIMEOUT:?}")
                 .into(),
         )),
         Err(e) => Err(TransportError::AckLost(Box::new(e))),
@@ -726,23 +726,35 @@ impl Delivery for RabbitDelivery {
 
     async fn ack(mut self: Box<Self>, _token: AckToken) -> Result<(), TransportError> {
         let delivery = self.take();
-        let result = delivery.acker.ack(BasicAckOptions::default()).await;
+        let result = bounded(delivery.acker.ack(BasicAckOptions::default())).await;
         self.finish();
         settled(result, "ack")
     }
 
     async fn nack(mut self: Box<Self>, requeue: bool) -> Result<(), TransportError> {
         let delivery = self.take();
-        let result = delivery
-            .acker
-            .nack(BasicNackOptions {
-                requeue,
-                multiple: false,
-            })
-            .await;
+        let result = bounded(delivery.acker.nack(BasicNackOptions {
+            requeue,
+            multiple: false,
+        }))
+        .await;
         self.finish();
         settled(result, "nack")
     }
+}
+
+/// How long an ack or nack may take to be written. On a connection that died without lapin
+/// noticing yet, its promise would never resolve and the consumer could not drain; past this it
+/// counts as lost (the broker redelivers the message when it drops the connection).
+const SETTLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+async fn bounded(
+    settle: impl std::future::Future<Output = lapin::Result<bool>>,
+) -> lapin::Result<bool> {
+    // `Ok(false)`: not sent, which `settled` reports as a lost ack.
+    tokio::time::timeout(SETTLE_TIMEOUT, settle)
+        .await
+        .unwrap_or(Ok(false))
 }
 
 impl Drop for RabbitDelivery {
@@ -760,13 +772,11 @@ impl Drop for RabbitDelivery {
         let (unsettled, subscription) =
             (Arc::clone(&self.unsettled), Arc::clone(&self.subscription));
         let hand_back = async move {
-            let _ = delivery
-                .acker
-                .nack(BasicNackOptions {
-                    requeue: true,
-                    multiple: false,
-                })
-                .await;
+            let _ = bounded(delivery.acker.nack(BasicNackOptions {
+                requeue: true,
+                multiple: false,
+            }))
+            .await;
             unsettled.fetch_sub(1, Ordering::SeqCst);
             subscription.release();
         };
