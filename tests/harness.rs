@@ -635,6 +635,16 @@ where
     assert_no_log_storm(&tally.outcomes, outage, 1);
 }
 
+/// PostgreSQL restarted while `broker`'s consumer works.
+async fn postgres_restart_mid_stream(broker: Broker) {
+    fault_mid_stream(broker, Restart::Database, || async {
+        let down = Instant::now();
+        restart_postgres().await;
+        down.elapsed()
+    })
+    .await;
+}
+
 /// What [`fault_mid_stream`] restarts.
 enum Restart {
     Broker,
@@ -731,12 +741,7 @@ mod rabbitmq {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn rabbitmq_postgres_restart() {
-        fault_mid_stream(broker(), Restart::Database, || async {
-            let down = Instant::now();
-            restart_postgres().await;
-            down.elapsed()
-        })
-        .await;
+        postgres_restart_mid_stream(broker()).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -850,12 +855,7 @@ mod kafka {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn kafka_postgres_restart() {
-        fault_mid_stream(broker(), Restart::Database, || async {
-            let down = Instant::now();
-            restart_postgres().await;
-            down.elapsed()
-        })
-        .await;
+        postgres_restart_mid_stream(broker()).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
