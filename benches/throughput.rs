@@ -18,17 +18,17 @@
 //!
 //! Ratios are what to read: the machine is shared and noisy, absolute rates are context only.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 use futures::StreamExt;
 use inbox::memory::MemoryBroker;
 use inbox::{
-    AckToken, Batching, CancellationToken, Consumer, ConsumerName, Handler, HandlerError,
-    InboxStore, Message, OutgoingMessage, PgTx, PostgresStore, Subscription, Transport,
-    async_trait,
+    AckToken, Batching, CancellationToken, Capabilities, Consumer, ConsumerName, Delivery,
+    DeliveryStream, Handler, HandlerError, Headers, InboxStore, Message, OutgoingMessage, PgTx,
+    PostgresStore, Subscription, Transport, TransportError, async_trait,
 };
 use sqlx::{Connection, Executor, PgPool};
 use tokio::sync::Semaphore;
@@ -56,6 +56,14 @@ struct Args {
     /// Seconds pgbench runs.
     #[arg(long, default_value_t = 10)]
     pgbench_seconds: u64,
+    /// Only the per-message inbox mode on each chosen transport, no baselines: the run to put
+    /// under a profiler (`perf record -g`).
+    #[arg(long)]
+    profile: bool,
+    /// Instead of the comparison: one batched inbox consumer on RabbitMQ over this many messages
+    /// (published as it goes, at most 20 000 waiting), sampling the process's resident memory.
+    #[arg(long)]
+    soak: Option<u64>,
     /// The PostgreSQL server (a database of its own is created on it).
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database: String,
@@ -100,11 +108,120 @@ struct Measured {
     messages: usize,
     seconds: f64,
     doubles: Option<i64>,
+    /// Delivery-to-ack latencies of the mode's acked deliveries, sorted.
+    latencies: Vec<Duration>,
 }
 
 impl Measured {
     fn rate(&self) -> f64 {
         self.messages as f64 / self.seconds
+    }
+
+    /// The `p`-th percentile latency, as milliseconds for the table.
+    fn percentile(&self, p: f64) -> String {
+        if self.latencies.is_empty() {
+            return "-".to_owned();
+        }
+        let at = ((self.latencies.len() - 1) as f64 * p / 100.0).round() as usize;
+        format!("{:.1}", self.latencies[at].as_secs_f64() * 1e3)
+    }
+}
+
+/// The transport under test, wrapped so that each delivery's time from being handed over to
+/// being acked is recorded (the latency column): the same for the engine and the baselines.
+#[derive(Debug)]
+struct Timed {
+    inner: Arc<dyn Transport>,
+    latencies: Arc<Mutex<Vec<Duration>>>,
+}
+
+impl Timed {
+    /// The latencies recorded since the last call, sorted.
+    fn take(&self) -> Vec<Duration> {
+        let mut taken = std::mem::take(&mut *self.latencies.lock().expect("not poisoned"));
+        taken.sort_unstable();
+        taken
+    }
+}
+
+#[async_trait]
+impl Transport for Timed {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    async fn declare(&self, subscription: &Subscription) -> Result<(), TransportError> {
+        self.inner.declare(subscription).await
+    }
+    async fn subscribe(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<DeliveryStream, TransportError> {
+        let latencies = Arc::clone(&self.latencies);
+        let stream = self.inner.subscribe(subscription).await?;
+        Ok(stream
+            .map(move |delivery| {
+                delivery.map(|inner| {
+                    Box::new(TimedDelivery {
+                        inner,
+                        at: Instant::now(),
+                        latencies: Arc::clone(&latencies),
+                    }) as Box<dyn Delivery>
+                })
+            })
+            .boxed())
+    }
+    async fn publish(
+        &self,
+        destination: &str,
+        message: OutgoingMessage,
+    ) -> Result<(), TransportError> {
+        self.inner.publish(destination, message).await
+    }
+}
+
+#[derive(Debug)]
+struct TimedDelivery {
+    inner: Box<dyn Delivery>,
+    at: Instant,
+    latencies: Arc<Mutex<Vec<Duration>>>,
+}
+
+#[async_trait]
+impl Delivery for TimedDelivery {
+    fn payload(&self) -> &[u8] {
+        self.inner.payload()
+    }
+    fn headers(&self) -> &Headers {
+        self.inner.headers()
+    }
+    fn broker_message_id(&self) -> Option<&[u8]> {
+        self.inner.broker_message_id()
+    }
+    fn redelivered(&self) -> bool {
+        self.inner.redelivered()
+    }
+    fn delivery_count(&self) -> Option<u32> {
+        self.inner.delivery_count()
+    }
+    fn coordinates(&self) -> Option<String> {
+        self.inner.coordinates()
+    }
+    fn ordering_key(&self) -> Option<&str> {
+        self.inner.ordering_key()
+    }
+    async fn ack(self: Box<Self>, token: AckToken) -> Result<(), TransportError> {
+        let result = self.inner.ack(token).await;
+        self.latencies
+            .lock()
+            .expect("not poisoned")
+            .push(self.at.elapsed());
+        result
+    }
+    async fn nack(self: Box<Self>, requeue: bool) -> Result<(), TransportError> {
+        self.inner.nack(requeue).await
     }
 }
 
@@ -112,6 +229,21 @@ impl Measured {
 struct Target {
     name: &'static str,
     transport: Arc<dyn Transport>,
+    timed: Arc<Timed>,
+}
+
+impl Target {
+    fn new(name: &'static str, inner: Arc<dyn Transport>) -> Self {
+        let timed = Arc::new(Timed {
+            inner,
+            latencies: Arc::default(),
+        });
+        Self {
+            name,
+            transport: Arc::clone(&timed) as Arc<dyn Transport>,
+            timed,
+        }
+    }
 }
 
 /// A mode's own source with `n` messages waiting for consumer `run` (each twice in a row with
@@ -226,6 +358,7 @@ async fn inbox_mode(
         messages: total as usize,
         seconds,
         doubles: Some(doubles(store.pool(), &run).await?),
+        latencies: target.timed.take(),
     })
 }
 
@@ -253,7 +386,7 @@ where
     let permits = Arc::new(Semaphore::new(args.concurrency));
     let work = Arc::new(work);
     let acked = Arc::new(AtomicU64::new(0));
-    let consume = tokio::spawn({
+    let mut consume = tokio::spawn({
         let (run, acked) = (run.clone(), Arc::clone(&acked));
         async move {
             let mut tasks = tokio::task::JoinSet::new();
@@ -285,13 +418,16 @@ where
     });
     let seconds = tokio::select! {
         seconds = clock(total, || acked.load(Ordering::SeqCst)) => seconds?,
-        stopped = consume => return Err(format!("{name}: the consumer stopped: {stopped:?}").into()),
+        stopped = &mut consume => return Err(format!("{name}: the consumer stopped: {stopped:?}").into()),
     };
+    // Unsubscribe before the next mode, so its latencies are its own.
+    consume.abort();
     Ok(Measured {
         name,
         messages: total as usize,
         seconds,
         doubles: Some(doubles(pool, &run).await?),
+        latencies: target.timed.take(),
     })
 }
 
@@ -364,6 +500,7 @@ async fn raw_broker(target: &Target, args: &Args) -> Result<Measured, Error> {
         messages: total as usize,
         seconds: first.map_or(1e-3, |f| f.elapsed().as_secs_f64().max(1e-3)),
         doubles: None,
+        latencies: target.timed.take(),
     })
 }
 
@@ -415,6 +552,7 @@ COMMIT;
         messages: (tps * args.pgbench_seconds as f64) as usize,
         seconds: args.pgbench_seconds as f64,
         doubles: None,
+        latencies: Vec::new(),
     })
 }
 
@@ -437,12 +575,129 @@ async fn fresh_database(url: &str) -> Result<String, Error> {
     Ok(format!("{base}/{name}{query}"))
 }
 
-/// Peak resident memory of this process, from /proc.
-fn peak_rss_mib() -> Option<f64> {
+/// Resident memory of this process from /proc: `VmHWM` (peak) or `VmRSS` (now).
+fn rss_mib(field: &str) -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
     let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib / 1024.0)
+}
+
+fn peak_rss_mib() -> Option<f64> {
+    rss_mib("VmHWM:")
+}
+
+/// The soak run: `total` messages through one batched inbox consumer on RabbitMQ (a broker in
+/// another process, so that what grows is ours), published as it goes with at most 20 000
+/// waiting, and the resident memory sampled at every tenth.
+async fn soak(total: u64, args: &Args, store: &PostgresStore) -> Result<(), Error> {
+    const WAITING: u64 = 20_000;
+    let url = std::env::var("AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+    let transport: Arc<dyn Transport> = Arc::new(inbox::rabbitmq::RabbitMqTransport::new(
+        url,
+        Default::default(),
+    ));
+    let run = run_name("soak");
+    let source = format!("bench-{}", uuid::Uuid::new_v4().simple());
+    let name = ConsumerName::new(run.clone())?;
+    transport
+        .declare(&Subscription::new(source.clone(), name.clone(), 1))
+        .await?;
+    let consumer = Consumer::new(
+        name,
+        source.clone(),
+        Arc::clone(&transport),
+        store.clone(),
+        BenchHandler { run: run.clone() },
+    )
+    .concurrency(args.concurrency)
+    .batch(Batching::new(100, Duration::from_millis(5)));
+    let settled = {
+        let consumer = consumer.clone();
+        move || {
+            let r = consumer.report();
+            r.processed + r.duplicates_discarded + r.dead_lettered
+        }
+    };
+    let token = CancellationToken::new();
+    let mut running = {
+        let (consumer, token) = (consumer.clone(), token.clone());
+        tokio::spawn(async move { consumer.run(token).await })
+    };
+    let producer = {
+        let (transport, settled, run) = (Arc::clone(&transport), settled.clone(), run.clone());
+        tokio::spawn(async move {
+            let mut published = 0u64;
+            while published < total {
+                while published >= settled() + WAITING {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                let chunk = (published..(published + 1000).min(total))
+                    .map(|i| OutgoingMessage::new(format!("{run}-{i}"), format!(r#"{{"n":{i}}}"#)));
+                let results: Vec<_> = futures::stream::iter(chunk)
+                    .map(|m| transport.publish(&source, m))
+                    .buffered(64)
+                    .collect()
+                    .await;
+                for r in results {
+                    r?;
+                }
+                published = (published + 1000).min(total);
+            }
+            Ok::<(), Error>(())
+        })
+    };
+    println!(
+        "soak: {total} messages, batched inbox on RabbitMQ, {} in flight",
+        args.concurrency
+    );
+    println!("{:>10}{:>10}{:>12}", "handled", "msgs/s", "RSS MiB");
+    let started = Instant::now();
+    let mut samples = Vec::new();
+    let mut next = total / 10;
+    let (mut last_n, mut last_progress) = (0, Instant::now());
+    loop {
+        let n = settled();
+        if n > last_n {
+            (last_n, last_progress) = (n, Instant::now());
+        } else if last_progress.elapsed() > Duration::from_secs(60) {
+            token.cancel();
+            return Err(format!("soak: no progress for 60 s at {n} of {total}").into());
+        }
+        if n >= next {
+            let rss = rss_mib("VmRSS:").unwrap_or(0.0);
+            let rate = n as f64 / started.elapsed().as_secs_f64();
+            println!("{n:>10}{rate:>10.0}{rss:>12.1}");
+            samples.push(rss);
+            if n >= total {
+                break;
+            }
+            next = (next + total / 10).min(total);
+        }
+        if running.is_finished() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    token.cancel();
+    let report = (&mut running).await??;
+    producer.await??;
+    if report.processed + report.duplicates_discarded < total {
+        return Err(format!("soak: the consumer stopped after {report:?}").into());
+    }
+    let doubles = doubles(store.pool(), &run).await?;
+    // The first tenth is warm-up (pools, buffers, the allocator's arenas); flat means the rest
+    // stays within 10 % of where it was then.
+    let (first, last) = (samples[0], *samples.last().expect("ten samples"));
+    let max = samples.iter().copied().fold(0.0, f64::max);
+    let flat = max <= first * 1.1;
+    println!(
+        "RSS after 10 %: {first:.1} MiB, at the end: {last:.1} MiB, highest: {max:.1} MiB; \
+         double effects: {doubles}; target: flat (within 10 % of the 10 % mark)   {}",
+        if flat { "met" } else { "NOT met" }
+    );
+    Ok(())
 }
 
 fn main() -> Result<(), Error> {
@@ -456,31 +711,28 @@ fn main() -> Result<(), Error> {
 fn targets(which: Which) -> Result<Vec<Target>, Error> {
     let mut targets = Vec::new();
     if matches!(which, Which::Memory | Which::All) {
-        targets.push(Target {
-            name: "memory",
-            transport: Arc::new(MemoryBroker::new()),
-        });
+        targets.push(Target::new("memory", Arc::new(MemoryBroker::new())));
     }
     if matches!(which, Which::Rabbitmq | Which::All) {
         let url = std::env::var("AMQP_URL")
             .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
-        targets.push(Target {
-            name: "rabbitmq",
-            transport: Arc::new(inbox::rabbitmq::RabbitMqTransport::new(
+        targets.push(Target::new(
+            "rabbitmq",
+            Arc::new(inbox::rabbitmq::RabbitMqTransport::new(
                 url,
                 Default::default(),
             )),
-        });
+        ));
     }
     if matches!(which, Which::Kafka | Which::All) {
         let brokers =
             std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".to_owned());
-        targets.push(Target {
-            name: "kafka",
-            transport: Arc::new(inbox::kafka::KafkaTransport::new(
+        targets.push(Target::new(
+            "kafka",
+            Arc::new(inbox::kafka::KafkaTransport::new(
                 inbox::kafka::KafkaConfig::new(brokers),
             )?),
-        });
+        ));
     }
     Ok(targets)
 }
@@ -497,10 +749,26 @@ async fn bench(args: Args) -> Result<(), Error> {
     ] {
         pool.execute(ddl).await?;
     }
+    if let Some(total) = args.soak {
+        return soak(total, &args, &store).await;
+    }
     println!(
         "inbox throughput: {} messages per mode, {} in flight, PostgreSQL",
         args.messages, args.concurrency
     );
+    if args.profile {
+        for target in targets(args.transport)? {
+            let m = inbox_mode("inbox per message", &target, &store, &args, None, false).await?;
+            println!(
+                "{}: {:.0} msgs/s, p50 {} ms, p99 {} ms",
+                target.name,
+                m.rate(),
+                m.percentile(50.0),
+                m.percentile(99.0)
+            );
+        }
+        return Ok(());
+    }
     let ceiling = pgbench(&args, &url).await?;
     println!(
         "pgbench, the inbox's transaction shape, {} clients: {:.0} tx/s",
@@ -528,7 +796,10 @@ async fn bench(args: Args) -> Result<(), Error> {
 
         println!();
         println!("== {} ==", t.name);
-        println!("{:<28}{:>12}{:>16}", "mode", "msgs/s", "double effects");
+        println!(
+            "{:<28}{:>10}{:>10}{:>10}{:>16}",
+            "mode", "msgs/s", "p50 ms", "p99 ms", "double effects"
+        );
         for m in [
             &per_message,
             &batched,
@@ -540,7 +811,14 @@ async fn bench(args: Args) -> Result<(), Error> {
             &raw,
         ] {
             let doubles = m.doubles.map_or("-".to_owned(), |d| d.to_string());
-            println!("{:<28}{:>12.0}{:>16}", m.name, m.rate(), doubles);
+            println!(
+                "{:<28}{:>10.0}{:>10}{:>10}{:>16}",
+                m.name,
+                m.rate(),
+                m.percentile(50.0),
+                m.percentile(99.0),
+                doubles
+            );
         }
         let ratio = |a: &Measured, b: &Measured| a.rate() / b.rate();
         let line = |what: &str, value: f64, target: f64| {

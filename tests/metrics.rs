@@ -1,5 +1,5 @@
 //! The metrics a run emits, read back through a recorder: processed, duplicates, failures,
-//! retries and dead letters, labelled by consumer.
+//! retries and dead letters, labelled by consumer; and the sampled row gauges.
 
 mod conformance;
 
@@ -37,7 +37,10 @@ async fn counters_after_a_run_with_duplicates_and_a_poison_message() {
         always_fail: HashSet::from([poison.clone()]),
         ..Script::default()
     });
-    let consumer = s.consumer(&name, &script).concurrency(1);
+    let consumer = s
+        .consumer(&name, &script)
+        .concurrency(1)
+        .sample_stats_every(Some(std::time::Duration::from_millis(20)));
     let running = Running::start(&consumer, 1);
     s.wait_for(&[&name], ids.len()).await;
     conformance::eventually("the poison message dead-lettered", || async {
@@ -84,6 +87,31 @@ async fn counters_after_a_run_with_duplicates_and_a_poison_message() {
         .map(|(key, ..)| key.key().name().to_owned())
         .collect();
     assert!(!histograms.is_empty(), "claim latency is recorded");
+
+    // The gauges, sampled by a running instance: 10 processed rows and the dead one. (A
+    // snapshot resets what it reads, so poll until a sample lands between two.)
+    let running = Running::start(&consumer, 1);
+    conformance::eventually("the row gauges sampled", || async {
+        let snapshot = snapshotter.snapshot().into_vec();
+        let gauge = |metric: &str| {
+            snapshot
+                .iter()
+                .filter(|(key, ..)| is(key, metric, name.as_str()))
+                .find_map(|(_, _, _, value)| match value {
+                    DebugValue::Gauge(v) => Some(v.into_inner()),
+                    _ => None,
+                })
+        };
+        match (
+            gauge(inbox::metrics::ROWS),
+            gauge(inbox::metrics::DEAD_ROWS),
+        ) {
+            (Some(rows), Some(dead)) if rows == 11.0 && dead == 1.0 => Ok(()),
+            other => Err(format!("(rows, dead) = {other:?}")),
+        }
+    })
+    .await;
+    running.stop().await;
 }
 
 fn is(key: &CompositeKey, metric: &str, consumer: &str) -> bool {

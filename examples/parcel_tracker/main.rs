@@ -90,6 +90,13 @@ struct ConsumeArgs {
     /// so that a SIGKILL lands exactly there. (A stalled process does not drain on SIGTERM.)
     #[arg(long, default_value_t = 0.0)]
     stall_before_ack: f64,
+    /// Serve the consumers' metrics for Prometheus at http://ADDR/metrics (e.g. 127.0.0.1:9000).
+    #[arg(long)]
+    metrics_addr: Option<std::net::SocketAddr>,
+    /// Delete processed inbox rows older than this, every 10 minutes (`7d`, `36h`); off when
+    /// not given.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    retention: Option<Duration>,
 }
 
 #[derive(Args)]
@@ -361,6 +368,25 @@ async fn consume(args: ConsumeArgs) -> Result<ExitCode, Error> {
     let db = Db::open(&args.database).await?;
     let token = CancellationToken::new();
     tokio::spawn(shutdown_signal(token.clone()));
+    if let Some(addr) = args.metrics_addr {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()?;
+        eprintln!("metrics at http://{addr}/metrics");
+    }
+    if let Some(retention) = args.retention {
+        let token = token.clone();
+        match &db {
+            Db::Postgres(store) => {
+                let cleanup = inbox::Cleanup::new(store.clone(), retention);
+                tokio::spawn(async move { cleanup.run(token).await });
+            }
+            Db::Sqlite(store) => {
+                let cleanup = inbox::Cleanup::new(store.clone(), retention);
+                tokio::spawn(async move { cleanup.run(token).await });
+            }
+        }
+    }
     let reports = db
         .run_consumers(
             transport,

@@ -86,6 +86,7 @@ struct Settings {
     reconnect: RetryPolicy,
     after_commit: Hook,
     batch: Option<Batching>,
+    stats_interval: Option<Duration>,
 }
 
 /// Batch mode: deliveries that arrive together are claimed in one statement and handled in one
@@ -150,6 +151,7 @@ impl Default for Settings {
                 .with_delays(Duration::from_millis(100), Duration::from_secs(5)),
             after_commit: Hook::default(),
             batch: None,
+            stats_interval: Some(Duration::from_secs(30)),
         }
     }
 }
@@ -186,6 +188,52 @@ struct Inner<S: InboxStore, H> {
     lost_acks: Throttle,
     /// Subscribe failures while the broker is down: one log line per interval.
     broker_down: Throttle,
+}
+
+/// The W3C Trace Context header a producer's tracing puts on a message.
+pub const TRACEPARENT: &str = "traceparent";
+
+/// A valid W3C `traceparent` value (`00-<trace id>-<parent span id>-<flags>`), whose ids the
+/// delivery span records as `trace_id` and `parent_span_id`, so that the consumer's work joins
+/// the producer's trace (an OpenTelemetry layer can set the span's parent from them; a log search
+/// finds both sides by trace id).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TraceParent<'a> {
+    /// 32 lowercase hex digits, not all zero.
+    pub trace_id: &'a str,
+    /// 16 lowercase hex digits, not all zero.
+    pub span_id: &'a str,
+    /// The trace flags (bit 0: sampled).
+    pub flags: u8,
+}
+
+impl<'a> TraceParent<'a> {
+    /// Parses a `traceparent` header value; `None` when it is not valid (then it is ignored, as
+    /// the specification says).
+    pub fn parse(value: &'a str) -> Option<Self> {
+        let mut parts = value.trim().split('-');
+        let (version, trace_id, span_id, flags) =
+            (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+        let hex = |s: &str, len: usize| {
+            s.len() == len && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        };
+        let nonzero = |s: &str| s.bytes().any(|b| b != b'0');
+        // Version 00 has exactly four fields; later versions may append more; ff is invalid.
+        let valid = hex(version, 2)
+            && version != "ff"
+            && (version != "00" || parts.next().is_none())
+            && hex(trace_id, 32)
+            && nonzero(trace_id)
+            && hex(span_id, 16)
+            && nonzero(span_id)
+            && hex(flags, 2);
+        valid.then(|| Self {
+            trace_id,
+            span_id,
+            flags: u8::from_str_radix(flags, 16).unwrap_or(0),
+        })
+    }
 }
 
 /// How often a continuing outage is logged.
@@ -262,6 +310,15 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
         let inner = self.inner_mut();
         inner.store_outage = store_outage(&policy);
         inner.settings.reconnect = policy;
+        self
+    }
+
+    /// How often each running instance samples this consumer's row counts into the
+    /// [`ROWS`](crate::metrics::ROWS) and [`DEAD_ROWS`](crate::metrics::DEAD_ROWS) gauges (default
+    /// 30 s; `None`: never). A sample counts the consumer's rows, an index range scan: on
+    /// PostgreSQL about 0.1 s per million rows.
+    pub fn sample_stats_every(mut self, interval: Option<Duration>) -> Self {
+        self.inner_mut().settings.stats_interval = interval;
         self
     }
 
@@ -359,6 +416,16 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
         let subscription = Subscription::new(inner.source.clone(), inner.name.clone(), prefetch)
             .with_dead_letter(inner.dead_letter_destination());
         let mut tasks: JoinSet<Result<(), ConsumerError>> = JoinSet::new();
+        // Ends with the run whatever ends it (a fatal error does not cancel `stop`).
+        let sampling = stop.child_token();
+        if let Some(every) = inner.settings.stats_interval {
+            let (inner, metrics, sampling) =
+                (Arc::clone(inner), Arc::clone(&metrics), sampling.clone());
+            tasks.spawn(async move {
+                inner.sample_stats(every, &metrics, &sampling).await;
+                Ok(())
+            });
+        }
         let mut lanes: HashMap<String, Lane> = HashMap::new();
         let mut fatal: Option<ConsumerError> = None;
         let mut reconnect = inner.settings.reconnect.delays();
@@ -490,6 +557,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
         }
         // Drain: in-flight handlers finish and ack; waiting retries and queued lane deliveries
         // are handed back.
+        sampling.cancel();
         lanes.clear();
         while let Some(done) = tasks.join_next().await {
             if let Some(e) = task_failure(done) {
@@ -636,6 +704,24 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
             result?;
         }
         Ok(())
+    }
+
+    /// Samples this consumer's row counts into its gauges until `stop`.
+    async fn sample_stats(&self, every: Duration, metrics: &Metrics, stop: &CancellationToken) {
+        loop {
+            match self.store.stats(Some(&self.name)).await {
+                Ok(stats) => {
+                    let s = stats.first();
+                    metrics.rows(s.map_or(0, |s| s.rows), s.map_or(0, |s| s.dead));
+                }
+                Err(e) => {
+                    tracing::debug!(consumer = %self.name, error = %e, "could not sample inbox stats")
+                }
+            }
+            if !sleep_unless_stopped(every, stop).await {
+                return;
+            }
+        }
     }
 
     fn dead_letter_destination(&self) -> String {
@@ -845,7 +931,17 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
             message_id = field::Empty,
             attempt = field::Empty,
             outcome = field::Empty,
+            trace_id = field::Empty,
+            parent_span_id = field::Empty,
         );
+        if let Some(parent) = delivery
+            .headers()
+            .get_str(TRACEPARENT)
+            .and_then(TraceParent::parse)
+        {
+            span.record("trace_id", parent.trace_id);
+            span.record("parent_span_id", parent.span_id);
+        }
         async {
             bump(&self.counters.deliveries);
             let outcome = self.process_inner(delivery, metrics, stop).await?;
@@ -1236,5 +1332,37 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
             tracing::warn!(error = %e, "nack failed; the broker redelivers on its own");
         }
         Outcome::HandedBack
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TraceParent;
+
+    #[test]
+    fn traceparent_is_parsed_as_the_w3c_spec_says() {
+        let p = TraceParent::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+            .expect("the spec's example");
+        assert_eq!(p.trace_id, "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert_eq!(p.span_id, "00f067aa0ba902b7");
+        assert_eq!(p.flags, 1);
+        // A later version may add fields.
+        assert!(
+            TraceParent::parse("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00-extra")
+                .is_some()
+        );
+        for bad in [
+            "",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-1",
+        ] {
+            assert_eq!(TraceParent::parse(bad), None, "{bad:?}");
+        }
     }
 }

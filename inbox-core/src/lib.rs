@@ -11,6 +11,7 @@
 //! features).
 #![forbid(unsafe_code)]
 
+mod cleanup;
 mod consumer;
 mod error;
 mod handler;
@@ -23,7 +24,10 @@ mod retry;
 pub mod store;
 mod transport;
 
-pub use consumer::{AfterCommit, Batching, Consumer, ConsumerReport, dead_letter_headers};
+pub use cleanup::Cleanup;
+pub use consumer::{
+    AfterCommit, Batching, Consumer, ConsumerReport, TRACEPARENT, TraceParent, dead_letter_headers,
+};
 pub use error::{
     BoxError, ConsumerError, ErrorKind, HandlerError, InvalidName, StoreError, TransportError,
 };

@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::time::Instant;
 
-use metrics::{Counter, Histogram, counter, histogram};
+use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
 
 use crate::id::ConsumerName;
 
@@ -18,6 +18,13 @@ pub const FAILED: &str = "inbox_failed_total";
 pub const RETRIED: &str = "inbox_retried_total";
 /// Messages dead-lettered.
 pub const DEAD_LETTERED: &str = "inbox_dead_lettered_total";
+/// Rows in the inbox table (gauge, sampled by a running consumer; see
+/// `Consumer::sample_stats_every`).
+pub const ROWS: &str = "inbox_rows";
+/// Dead-lettered rows in the inbox table (gauge, sampled like [`ROWS`]).
+pub const DEAD_ROWS: &str = "inbox_dead_rows";
+/// Rows deleted by [`Cleanup`](crate::Cleanup) (not labelled by consumer: one pass covers all).
+pub const CLEANUP_DELETED: &str = "inbox_cleanup_deleted_total";
 /// Seconds spent in the claim statement.
 pub const CLAIM_SECONDS: &str = "inbox_claim_seconds";
 /// Seconds spent in the handler.
@@ -32,6 +39,8 @@ pub(crate) struct Metrics {
     dead_lettered: Counter,
     claim_seconds: Histogram,
     handle_seconds: Histogram,
+    rows: Gauge,
+    dead_rows: Gauge,
 }
 
 impl Metrics {
@@ -48,6 +57,8 @@ impl Metrics {
             dead_lettered: counter!(DEAD_LETTERED, &labels),
             claim_seconds: histogram!(CLAIM_SECONDS, &labels),
             handle_seconds: histogram!(HANDLE_SECONDS, &labels),
+            rows: gauge!(ROWS, &labels),
+            dead_rows: gauge!(DEAD_ROWS, &labels),
         }
     }
 
@@ -65,6 +76,11 @@ impl Metrics {
     }
     pub(crate) fn dead_lettered(&self) {
         self.dead_lettered.increment(1);
+    }
+
+    pub(crate) fn rows(&self, rows: u64, dead: u64) {
+        self.rows.set(rows as f64);
+        self.dead_rows.set(dead as f64);
     }
 
     pub(crate) async fn time_claim<T>(&self, f: impl Future<Output = T>) -> T {

@@ -166,13 +166,20 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
         self.check()?;
         self.inner.dead_letters(consumer, limit).await
     }
-    async fn cleanup(
+    async fn cleanup_with_progress(
         &self,
         older_than: Duration,
         batch_size: u32,
+        progress: &(dyn Fn(u64) + Send + Sync),
     ) -> Result<CleanupReport, StoreError> {
         self.check()?;
-        self.inner.cleanup(older_than, batch_size).await
+        self.inner
+            .cleanup_with_progress(older_than, batch_size, progress)
+            .await
+    }
+    async fn count_expired(&self, older_than: Duration) -> Result<u64, StoreError> {
+        self.check()?;
+        self.inner.count_expired(older_than).await
     }
     async fn stats(
         &self,

@@ -177,6 +177,18 @@ impl Postgres {
         url.to_string()
     }
 
+    /// The URL of the database `store` is connected to (for a separate process, such as the
+    /// `inbox` command line).
+    pub async fn url_of(store: &PostgresStore) -> String {
+        let name: String = sqlx::query_scalar("SELECT current_database()")
+            .fetch_one(store.pool())
+            .await
+            .expect("current_database()");
+        let mut url: url_like::Url = services::postgres_url().parse().unwrap();
+        url.set_database(&name);
+        url.to_string()
+    }
+
     async fn connect_fresh() -> PostgresStore {
         PostgresStore::connect(&Self::fresh_url().await, 8)
             .await

@@ -232,12 +232,29 @@ pub trait InboxStore: Send + Sync + 'static {
     ) -> Result<Vec<DeadLetter>, StoreError>;
 
     /// Deletes processed rows older than `older_than`, `batch_size` rows per transaction, one
-    /// instance at a time. Dead-lettered rows are kept.
+    /// instance at a time (PostgreSQL: an advisory lock; another instance's run makes this one
+    /// return at once with [`CleanupReport::skipped_locked`]). Dead-lettered rows are kept.
+    /// `progress` is called after each batch with the rows deleted so far. Use
+    /// [`Cleanup`](crate::Cleanup) rather than calling this in a loop of your own.
+    async fn cleanup_with_progress(
+        &self,
+        older_than: Duration,
+        batch_size: u32,
+        progress: &(dyn Fn(u64) + Send + Sync),
+    ) -> Result<CleanupReport, StoreError>;
+
+    /// [`cleanup_with_progress`](Self::cleanup_with_progress) without progress.
     async fn cleanup(
         &self,
         older_than: Duration,
         batch_size: u32,
-    ) -> Result<CleanupReport, StoreError>;
+    ) -> Result<CleanupReport, StoreError> {
+        self.cleanup_with_progress(older_than, batch_size, &|_| {})
+            .await
+    }
+
+    /// How many rows a cleanup with `older_than` would delete now (processed, older).
+    async fn count_expired(&self, older_than: Duration) -> Result<u64, StoreError>;
 
     /// Counts per consumer (one consumer, or all).
     async fn stats(

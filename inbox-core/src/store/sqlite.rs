@@ -366,10 +366,11 @@ impl InboxStore for SqliteStore {
             .collect())
     }
 
-    async fn cleanup(
+    async fn cleanup_with_progress(
         &self,
         older_than: Duration,
         batch_size: u32,
+        progress: &(dyn Fn(u64) + Send + Sync),
     ) -> Result<CleanupReport, StoreError> {
         // SQLite has one writer at a time: each batch is a short write transaction, so claims
         // wait at most one batch.
@@ -392,10 +393,24 @@ impl InboxStore for SqliteStore {
             .rows_affected();
             report.deleted += deleted;
             report.batches += 1;
+            progress(report.deleted);
             if deleted < batch as u64 {
                 return Ok(report);
             }
         }
+    }
+
+    async fn count_expired(&self, older_than: Duration) -> Result<u64, StoreError> {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM inbox_messages
+             WHERE processed_at IS NOT NULL
+               AND processed_at < strftime('%Y-%m-%dT%H:%M:%fZ', 'now', $1)",
+        )
+        .bind(format!("-{:.3} seconds", older_than.as_secs_f64()))
+        .fetch_one(&self.pool)
+        .await
+        .map_err(store_error)?;
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 
     async fn stats(

@@ -1,0 +1,398 @@
+//! The `inbox` command line, run as a separate process against real PostgreSQL (`DATABASE_URL`),
+//! and its dead-letter replay through RabbitMQ (`AMQP_URL`) and Kafka (`KAFKA_BROKERS`).
+#![cfg(all(feature = "cli", feature = "rabbitmq", feature = "kafka"))]
+
+mod conformance;
+
+use std::collections::HashSet;
+use std::process::Output;
+use std::sync::{Arc, Mutex};
+
+use conformance::stores::Postgres;
+use conformance::{BrokerFactory, Running, Scenario, Script, eventually, services};
+use inbox::memory::Faults;
+use inbox::{HandlerError, InboxStore, PostgresStore};
+use sqlx::Executor;
+
+/// Runs `inbox args…` with `DATABASE_URL = database` (none with `None`) and the broker URLs.
+async fn inbox(database: Option<&str>, args: &[&str]) -> Output {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_inbox"));
+    command
+        .args(args)
+        .env_remove("DATABASE_URL")
+        .env("AMQP_URL", services::amqp_url())
+        .env("KAFKA_BROKERS", services::kafka_brokers())
+        .env("NO_COLOR", "1");
+    if let Some(url) = database {
+        command.env("DATABASE_URL", url);
+    }
+    command.output().await.expect("run the inbox binary")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[track_caller]
+fn ok(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "exit {:?}\nstdout: {}\nstderr: {}",
+        out.status.code(),
+        stdout(out),
+        stderr(out)
+    );
+    stdout(out)
+}
+
+fn json(out: &Output) -> serde_json::Value {
+    serde_json::from_str(&ok(out)).expect("--json prints JSON")
+}
+
+#[tokio::test]
+async fn help_names_every_command_and_option() {
+    let top = ok(&inbox(None, &["--help"]).await);
+    for word in [
+        "migrate",
+        "stats",
+        "cleanup",
+        "dead",
+        "--database-url",
+        "DATABASE_URL",
+    ] {
+        assert!(top.contains(word), "{word} in:\n{top}");
+    }
+    let dead = ok(&inbox(None, &["dead", "--help"]).await);
+    assert!(dead.contains("list") && dead.contains("replay"), "{dead}");
+    let cleanup = ok(&inbox(None, &["cleanup", "--help"]).await);
+    for word in ["--older-than", "--batch-size", "--redelivery-horizon"] {
+        assert!(cleanup.contains(word), "{word} in:\n{cleanup}");
+    }
+    let replay = ok(&inbox(None, &["dead", "replay", "--help"]).await);
+    for word in [
+        "--all",
+        "--consumer",
+        "--source",
+        "--dead-letter",
+        "--transport",
+        "AMQP_URL",
+        "KAFKA_BROKERS",
+    ] {
+        assert!(replay.contains(word), "{word} in:\n{replay}");
+    }
+}
+
+#[tokio::test]
+async fn errors_are_one_line_with_a_non_zero_exit_and_no_password() {
+    let none = inbox(None, &["stats"]).await;
+    assert_eq!(none.status.code(), Some(1));
+    assert_eq!(
+        stderr(&none).trim(),
+        "error: no database: set DATABASE_URL or pass --database-url"
+    );
+
+    let unreachable = inbox(
+        Some("postgres://postgres:hunter2@127.0.0.1:1/nothing"),
+        &["stats"],
+    )
+    .await;
+    assert_eq!(unreachable.status.code(), Some(1));
+    let text = stderr(&unreachable);
+    assert_eq!(text.trim().lines().count(), 1, "{text}");
+    assert!(text.starts_with("error: database unavailable"), "{text}");
+    assert!(!text.contains("hunter2"), "the password leaked: {text}");
+
+    let bad_duration = inbox(
+        Some("postgres://127.0.0.1/x"),
+        &["cleanup", "--older-than", "a week"],
+    )
+    .await;
+    assert_eq!(
+        bad_duration.status.code(),
+        Some(2),
+        "{}",
+        stderr(&bad_duration)
+    );
+    assert!(stderr(&bad_duration).contains("--older-than"));
+
+    let neither = inbox(
+        Some("postgres://127.0.0.1/x"),
+        &[
+            "dead",
+            "replay",
+            "x",
+            "--consumer",
+            "c",
+            "--transport",
+            "kafka",
+        ],
+    )
+    .await;
+    assert_eq!(
+        neither.status.code(),
+        Some(2),
+        "--source or --dead-letter is required"
+    );
+}
+
+/// Rows of two consumers written as a running consumer would have left them.
+async fn seed(store: &PostgresStore) {
+    let pool = store.pool();
+    for sql in [
+        // a: 1000 rows processed a month ago, 10 just now, 2 failing, 3 dead (long ago).
+        "INSERT INTO inbox_messages (consumer, message_id, received_at, processed_at)
+         SELECT 'a', 'old-' || g, now() - interval '30 days', now() - interval '30 days'
+         FROM generate_series(1, 1000) g",
+        "INSERT INTO inbox_messages (consumer, message_id, processed_at)
+         SELECT 'a', 'new-' || g, now() FROM generate_series(1, 10) g",
+        "INSERT INTO inbox_messages (consumer, message_id, received_at, attempts, last_error)
+         SELECT 'a', 'failing-' || g, now() - interval '2 hours', 2, 'timeout calling the carrier'
+         FROM generate_series(1, 2) g",
+        "INSERT INTO inbox_messages (consumer, message_id, received_at, attempts, last_error, dead_lettered_at)
+         SELECT 'a', 'dead-' || g, now() - interval '40 days', 5, 'invalid JSON: expected value at line 1
+column 1', now() - interval '40 days'
+         FROM generate_series(1, 3) g",
+        // b: 5 processed just now.
+        "INSERT INTO inbox_messages (consumer, message_id, processed_at)
+         SELECT 'b', 'b-' || g, now() FROM generate_series(1, 5) g",
+    ] {
+        pool.execute(sql).await.expect("seed rows");
+    }
+}
+
+#[tokio::test]
+async fn migrate_stats_cleanup_and_dead_list_on_postgres() {
+    let url = Postgres::fresh_url().await;
+    let url = url.as_str();
+    assert_eq!(
+        ok(&inbox(Some(url), &["migrate"]).await).trim(),
+        "inbox schema is up to date"
+    );
+    // Idempotent.
+    ok(&inbox(Some(url), &["migrate"]).await);
+    assert_eq!(ok(&inbox(Some(url), &["stats"]).await).trim(), "no rows");
+
+    let store = PostgresStore::connect(url, 2).await.unwrap();
+    seed(&store).await;
+
+    let table = ok(&inbox(Some(url), &["stats"]).await);
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 3, "{table}");
+    assert!(lines[0].starts_with("consumer") && lines[0].contains("oldest unprocessed"));
+    let a: Vec<&str> = lines[1].split_whitespace().collect();
+    assert_eq!(&a[..6], ["a", "1015", "1010", "10", "2", "3"], "{table}");
+    assert!(a[6].starts_with("2h"), "oldest unprocessed: {table}");
+
+    let all = json(&inbox(Some(url), &["stats", "--json"]).await);
+    assert_eq!(all.as_array().unwrap().len(), 2);
+    let b = json(&inbox(Some(url), &["stats", "--consumer", "b", "--json"]).await);
+    assert_eq!(b[0]["consumer"], "b");
+    assert_eq!(b[0]["rows"], 5);
+    assert_eq!(b[0]["processed_last_hour"], 5);
+    assert_eq!(b[0]["oldest_unprocessed_seconds"], serde_json::Value::Null);
+
+    let dead = ok(&inbox(Some(url), &["dead", "list"]).await);
+    let lines: Vec<&str> = dead.lines().collect();
+    assert_eq!(
+        lines.len(),
+        4,
+        "a header and one line per letter, whatever the error holds:\n{dead}"
+    );
+    assert!(
+        lines[1].contains("dead-")
+            && lines[1].contains("invalid JSON: expected value at line 1 column 1"),
+        "{dead}"
+    );
+    let dead = json(&inbox(Some(url), &["dead", "list", "--consumer", "a", "--json"]).await);
+    assert_eq!(dead.as_array().unwrap().len(), 3);
+    assert_eq!(dead[0]["attempts"], 5);
+    assert!(dead[0]["dead_for_seconds"].as_f64().unwrap() > 39.0 * 86400.0);
+    let none = ok(&inbox(Some(url), &["dead", "list", "--consumer", "b"]).await);
+    assert_eq!(none.trim(), "no dead letters");
+
+    // Short retention: warned about, and done.
+    let cleaned = inbox(
+        Some(url),
+        &["cleanup", "--older-than", "7d", "--batch-size", "300"],
+    )
+    .await;
+    let said = ok(&cleaned);
+    assert!(said.starts_with("deleted 1000 rows in 4 batches"), "{said}");
+    assert!(
+        stderr(&cleaned).is_empty(),
+        "no warning at the horizon: {}",
+        stderr(&cleaned)
+    );
+    let short = inbox(Some(url), &["cleanup", "--older-than", "1h"]).await;
+    assert!(
+        ok(&short).starts_with("deleted 0 rows"),
+        "{}",
+        stdout(&short)
+    );
+    assert!(
+        stderr(&short)
+            .contains("warning: --older-than 1h is shorter than the redelivery horizon 7d"),
+        "{}",
+        stderr(&short)
+    );
+    let after = json(&inbox(Some(url), &["stats", "--consumer", "a", "--json"]).await);
+    assert_eq!(
+        after[0]["rows"], 15,
+        "the new, failing and dead rows are kept"
+    );
+    assert_eq!(after[0]["dead"], 3);
+}
+
+/// A consumer dead-letters two messages through a real broker; after the fix, `inbox dead replay`
+/// (one by id, then `--all`) republishes them and the consumer handles each once.
+async fn replay_through(brokers: &dyn BrokerFactory, transport: &str) {
+    let db = Arc::new(Postgres);
+    let s = Scenario::new(brokers, &db, Faults::none()).await;
+    let url = Postgres::url_of(&s.store).await;
+    let name = s.name("cli");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = (0..5).map(|i| s.id(i)).collect();
+    let (x, y) = (ids[3].clone(), ids[4].clone());
+    let broken = Arc::new(Mutex::new(HashSet::from([x.clone(), y.clone()])));
+    let hook: conformance::Hook = {
+        let broken = Arc::clone(&broken);
+        Arc::new(move |id: String, _| {
+            let refused = broken.lock().unwrap().contains(&id);
+            Box::pin(async move {
+                if refused {
+                    Err(HandlerError::permanent(format!("bug #17 refuses {id}")))
+                } else {
+                    Ok(())
+                }
+            })
+        })
+    };
+    let script = Arc::new(Script {
+        hook: Some(hook),
+        ..Script::default()
+    });
+    let consumer = s.consumer(&name, &script);
+    let running = Running::start(&consumer, 1);
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    s.wait_for(&[&name], 3).await;
+    eventually("x and y dead", || async {
+        let dead = s.store.dead_letters(Some(&name), 10).await.unwrap();
+        if dead.len() == 2 {
+            Ok(())
+        } else {
+            Err(format!("{dead:?}"))
+        }
+    })
+    .await;
+    let listed = json(
+        &inbox(
+            Some(&url),
+            &["dead", "list", "--consumer", name.as_str(), "--json"],
+        )
+        .await,
+    );
+    let listed: HashSet<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["message_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, HashSet::from([x.as_str(), y.as_str()]));
+    assert!(
+        stdout(&inbox(Some(&url), &["dead", "list"]).await).contains("bug #17 refuses"),
+        "the reason is listed"
+    );
+    broken.lock().unwrap().clear();
+
+    let replay = |which: Vec<String>| {
+        let (url, name, source) = (url.clone(), name.to_string(), s.source.clone());
+        async move {
+            let mut args = vec!["dead", "replay"];
+            args.extend(which.iter().map(String::as_str));
+            args.extend([
+                "--consumer",
+                &name,
+                "--source",
+                &source,
+                "--transport",
+                transport,
+            ]);
+            inbox(Some(&url), &args).await
+        }
+    };
+    // A broker may show a just-published dead letter a moment late ("no letter", exit 1); running
+    // the replay again is safe.
+    eventually("x replayed by id", || async {
+        let out = replay(vec![x.clone()]).await;
+        if out.status.success() && stdout(&out).contains(&format!("replayed   {x}")) {
+            Ok(())
+        } else {
+            Err(format!("{}{}", stdout(&out), stderr(&out)))
+        }
+    })
+    .await;
+    s.wait_for(&[&name], 4).await;
+    let again = replay(vec![x.clone()]).await;
+    assert_eq!(again.status.code(), Some(1), "x is not dead any more");
+    assert!(
+        stdout(&again).contains(&format!("not dead   {x}")),
+        "{}",
+        stdout(&again)
+    );
+
+    let all = replay(vec!["--all".to_owned()]).await;
+    assert!(
+        ok(&all).contains(&format!("replayed   {y}")),
+        "{}",
+        stdout(&all)
+    );
+    s.wait_for(&[&name], 5).await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+    assert_eq!(
+        script.calls(&x),
+        2,
+        "refused once, handled once after the replay"
+    );
+    assert_eq!(script.calls(&y), 2);
+    let stats = json(
+        &inbox(
+            Some(&url),
+            &["stats", "--consumer", name.as_str(), "--json"],
+        )
+        .await,
+    );
+    assert_eq!(
+        (stats[0]["processed"].as_u64(), stats[0]["dead"].as_u64()),
+        (Some(5), Some(0))
+    );
+    assert!(
+        s.store
+            .dead_letters(Some(&name), 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_replay_through_rabbitmq() {
+    conformance::init_tracing();
+    replay_through(
+        &conformance::rabbitmq::RabbitMq::new(inbox::rabbitmq::QueueType::Classic),
+        "rabbitmq",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_replay_through_kafka() {
+    conformance::init_tracing();
+    replay_through(&conformance::kafka::Kafka { ordered: true }, "kafka").await;
+}
