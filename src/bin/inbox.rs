@@ -336,9 +336,14 @@ async fn cleanup<S: InboxStore + Clone>(store: S, args: CleanupArgs) -> Result<(
         println!("another instance is cleaning up now; nothing deleted");
     } else {
         println!(
-            "deleted {} rows in {} batches in {:.1} s (dead-lettered rows kept)",
+            "deleted {} rows in {} {} in {:.1} s (dead-lettered rows kept)",
             report.deleted,
             report.batches,
+            if report.batches == 1 {
+                "batch"
+            } else {
+                "batches"
+            },
             started.elapsed().as_secs_f64()
         );
     }
@@ -381,11 +386,20 @@ async fn replay<S: InboxStore>(store: &S, args: ReplayArgs) -> Result<ExitCode, 
     if report.missing.is_empty() && report.not_dead.is_empty() {
         Ok(ExitCode::SUCCESS)
     } else {
-        eprintln!(
-            "error: {} not dead-lettered by {consumer}, {} without a dead letter in {destination}",
-            report.not_dead.len(),
-            report.missing.len()
-        );
+        let mut problems = Vec::new();
+        if !report.not_dead.is_empty() {
+            problems.push(format!(
+                "{} not dead-lettered by {consumer}",
+                report.not_dead.len()
+            ));
+        }
+        if !report.missing.is_empty() {
+            problems.push(format!(
+                "{} with no dead letter in {destination}",
+                report.missing.len()
+            ));
+        }
+        eprintln!("error: {}", problems.join(", "));
         Ok(ExitCode::FAILURE)
     }
 }

@@ -481,17 +481,18 @@ impl Transport for RabbitMqTransport {
         subscription: &Subscription,
     ) -> Result<DeliveryStream, TransportError> {
         let connection = self.connection().await?;
-        let channel = connection.create_channel().await.map_err(broker_error)?;
+        let guard = StreamGuard::new(connection.create_channel().await.map_err(broker_error)?);
+        let channel = &guard.0.channel;
         let source = &subscription.source;
         let consumer = subscription.consumer.as_str();
-        self.declare_on(&channel, source, consumer).await?;
+        self.declare_on(channel, source, consumer).await?;
         if let Some(dead_letter) = &subscription.dead_letter {
-            self.declare_exchange(&channel, dead_letter).await?;
-            self.declare_queue(&channel, dead_letter, dead_letter, false)
+            self.declare_exchange(channel, dead_letter).await?;
+            self.declare_queue(channel, dead_letter, dead_letter, false)
                 .await?;
         }
         let queue = queue_name(source, consumer);
-        self.consume(channel, &queue, subscription.prefetch.max(1))
+        self.consume(guard, &queue, subscription.prefetch.max(1))
             .await
     }
 
@@ -499,9 +500,10 @@ impl Transport for RabbitMqTransport {
     /// after as many deliveries as the queue held ready.
     async fn read_dead_letters(&self, destination: &str) -> Result<DeliveryStream, TransportError> {
         let connection = self.connection().await?;
-        let channel = connection.create_channel().await.map_err(broker_error)?;
-        self.declare_exchange(&channel, destination).await?;
-        self.declare_queue(&channel, destination, destination, false)
+        let guard = StreamGuard::new(connection.create_channel().await.map_err(broker_error)?);
+        let channel = &guard.0.channel;
+        self.declare_exchange(channel, destination).await?;
+        self.declare_queue(channel, destination, destination, false)
             .await?;
         let ready = channel
             .queue_declare(
@@ -515,7 +517,7 @@ impl Transport for RabbitMqTransport {
             .await
             .map_err(broker_error)?
             .message_count();
-        let stream = self.consume(channel, destination, 0).await?;
+        let stream = self.consume(guard, destination, 0).await?;
         Ok(Box::pin(stream.take(ready as usize)))
     }
 
@@ -536,13 +538,14 @@ impl Transport for RabbitMqTransport {
 }
 
 impl RabbitMqTransport {
-    /// Consumes `queue` on `channel` (0: no prefetch limit).
+    /// Consumes `queue` on the guarded channel (0: no prefetch limit).
     async fn consume(
         &self,
-        channel: Channel,
+        guard: StreamGuard,
         queue: &str,
         prefetch: u16,
     ) -> Result<DeliveryStream, TransportError> {
+        let channel = &guard.0.channel;
         // Prefetch must be set before consuming, or the broker may push the whole queue.
         channel
             .basic_qos(prefetch, BasicQosOptions::default())
@@ -557,14 +560,13 @@ impl RabbitMqTransport {
             )
             .await
             .map_err(broker_error)?;
-        tracing::debug!(queue, prefetch, "consuming from RabbitMQ");
+        tracing::debug!(
+            queue,
+            prefetch,
+            channel = channel.id(),
+            "consuming from RabbitMQ"
+        );
         let unsettled = Arc::clone(&self.unsettled);
-        let guard = StreamGuard(Arc::new(ConsumerChannel {
-            channel,
-            outstanding: AtomicUsize::new(0),
-            stream_gone: AtomicBool::new(false),
-            closed: AtomicBool::new(false),
-        }));
         let stream = deliveries.map(move |next| match next {
             Ok(delivery) => Ok(
                 Box::new(RabbitDelivery::new(delivery, &guard.0, &unsettled)) as Box<dyn Delivery>,
@@ -598,22 +600,48 @@ impl ConsumerChannel {
         if self.closed.swap(true, Ordering::SeqCst) {
             return;
         }
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let channel = self.channel.clone();
-            runtime.spawn(async move {
-                let _ = channel.close(200, "subscription ended".into()).await;
-            });
+        let channel = self.channel.clone();
+        let id = channel.id();
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(async move {
+                match channel.close(200, "subscription ended".into()).await {
+                    Ok(()) => tracing::debug!(channel = id, "consumer channel closed"),
+                    Err(e) => tracing::warn!(channel = id, error = %e, "closing a consumer channel failed"),
+                }
+            })),
+            Err(_) => tracing::warn!(channel = id, "no runtime to close a consumer channel on"),
         }
     }
 }
 
-/// Owned by the delivery stream: its drop starts the channel's close.
+/// Owned by the delivery stream: its drop starts the channel's close. It owns the channel from
+/// its creation, so a subscribe that fails or is cancelled half-way (say, after `basic.consume`
+/// reached the broker but before the stream was returned) closes the channel too — otherwise
+/// the broker would keep pushing up to a prefetch window of messages to a consumer no one reads,
+/// and hold them unacknowledged for as long as the connection lives.
 struct StreamGuard(Arc<ConsumerChannel>);
+
+impl StreamGuard {
+    fn new(channel: Channel) -> Self {
+        Self(Arc::new(ConsumerChannel {
+            channel,
+            outstanding: AtomicUsize::new(0),
+            stream_gone: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+        }))
+    }
+}
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
         self.0.stream_gone.store(true, Ordering::SeqCst);
-        if self.0.outstanding.load(Ordering::SeqCst) == 0 {
+        let outstanding = self.0.outstanding.load(Ordering::SeqCst);
+        tracing::debug!(
+            channel = self.0.channel.id(),
+            outstanding,
+            "delivery stream dropped"
+        );
+        if outstanding == 0 {
             self.0.close();
         }
     }
