@@ -594,10 +594,8 @@ async fn soak(total: u64, args: &Args, store: &PostgresStore) -> Result<(), Erro
     const WAITING: u64 = 20_000;
     let url = std::env::var("AMQP_URL")
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
-    let transport: Arc<dyn Transport> = Arc::new(inbox::rabbitmq::RabbitMqTransport::new(
-        url,
-        Default::default(),
-    ));
+    let transport: Arc<dyn Transport> =
+        Arc::new(inbox::rabbitmq::RabbitMqTransport::new(url, bench_queues()));
     let run = run_name("soak");
     let source = format!("bench-{}", uuid::Uuid::new_v4().simple());
     let name = ConsumerName::new(run.clone())?;
@@ -708,6 +706,12 @@ fn main() -> Result<(), Error> {
         .block_on(bench(args))
 }
 
+/// The bench's RabbitMQ queues (one per mode) go away 10 minutes after their last use rather than
+/// pile up in the broker.
+fn bench_queues() -> inbox::rabbitmq::RabbitMqConfig {
+    inbox::rabbitmq::RabbitMqConfig::default().queue_expires(Duration::from_secs(600))
+}
+
 fn targets(which: Which) -> Result<Vec<Target>, Error> {
     let mut targets = Vec::new();
     if matches!(which, Which::Memory | Which::All) {
@@ -718,10 +722,7 @@ fn targets(which: Which) -> Result<Vec<Target>, Error> {
             .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
         targets.push(Target::new(
             "rabbitmq",
-            Arc::new(inbox::rabbitmq::RabbitMqTransport::new(
-                url,
-                Default::default(),
-            )),
+            Arc::new(inbox::rabbitmq::RabbitMqTransport::new(url, bench_queues())),
         ));
     }
     if matches!(which, Which::Kafka | Which::All) {
