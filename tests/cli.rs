@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use conformance::stores::Postgres;
 use conformance::{BrokerFactory, Running, Scenario, Script, eventually, services};
 use inbox::memory::Faults;
-use inbox::{HandlerError, InboxStore, PostgresStore};
+use inbox::{InboxStore, PostgresStore};
 use sqlx::Executor;
 
 /// Runs `inbox args…` with `DATABASE_URL = database` (none with `None`) and the broker URLs.
@@ -258,21 +258,8 @@ async fn replay_through(brokers: &dyn BrokerFactory, transport: &str) {
     let ids: Vec<String> = (0..5).map(|i| s.id(i)).collect();
     let (x, y) = (ids[3].clone(), ids[4].clone());
     let broken = Arc::new(Mutex::new(HashSet::from([x.clone(), y.clone()])));
-    let hook: conformance::Hook = {
-        let broken = Arc::clone(&broken);
-        Arc::new(move |id: String, _| {
-            let refused = broken.lock().unwrap().contains(&id);
-            Box::pin(async move {
-                if refused {
-                    Err(HandlerError::permanent(format!("bug #17 refuses {id}")))
-                } else {
-                    Ok(())
-                }
-            })
-        })
-    };
     let script = Arc::new(Script {
-        hook: Some(hook),
+        hook: Some(conformance::refusing(&broken)),
         ..Script::default()
     });
     let consumer = s.consumer(&name, &script);

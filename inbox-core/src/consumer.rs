@@ -12,7 +12,9 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, field};
 
-use crate::error::{ConsumerError, ErrorKind, HandlerError, StoreError, TransportError};
+use crate::error::{
+    ConsumerError, ErrorKind, HandlerError, StoreError, TransportError, error_chain,
+};
 use crate::handler::Handler;
 use crate::id::{ConsumerName, IdStrategy, MessageId};
 use crate::message::{Message, OutgoingMessage};
@@ -624,21 +626,6 @@ impl From<HandlerError> for Failure {
             reason: error_chain(e.inner()),
         }
     }
-}
-
-/// An error and its sources, joined: what `last_error` and the dead-letter reason say.
-fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(e) = source {
-        let next = e.to_string();
-        if !text.contains(&next) {
-            text.push_str(": ");
-            text.push_str(&next);
-        }
-        source = e.source();
-    }
-    text
 }
 
 fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {

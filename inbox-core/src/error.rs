@@ -191,3 +191,19 @@ impl InvalidName {
         ErrorKind::Permanent
     }
 }
+
+/// An error and its sources on one line, each cause once: what `last_error`, a dead letter's
+/// reason and the `inbox` command line's error line say.
+pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(e) = source {
+        let next = e.to_string();
+        if !text.contains(&next) {
+            text.push_str(": ");
+            text.push_str(&next);
+        }
+        source = e.source();
+    }
+    text
+}

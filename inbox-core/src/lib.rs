@@ -30,6 +30,7 @@ pub use consumer::{
 };
 pub use error::{
     BoxError, ConsumerError, ErrorKind, HandlerError, InvalidName, StoreError, TransportError,
+    error_chain,
 };
 pub use handler::Handler;
 pub use id::{

@@ -125,25 +125,10 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {}", one_line(&*e));
+            eprintln!("error: {}", inbox::error_chain(&*e));
             ExitCode::FAILURE
         }
     }
-}
-
-/// An error and its causes on one line.
-fn one_line(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let next = cause.to_string();
-        if !text.contains(&next) {
-            text.push_str(": ");
-            text.push_str(&next);
-        }
-        source = cause.source();
-    }
-    text
 }
 
 async fn run(cli: Cli) -> Result<ExitCode, Error> {

@@ -110,6 +110,22 @@ where
 pub type Hook =
     Arc<dyn Fn(String, u32) -> BoxFuture<'static, Result<(), HandlerError>> + Send + Sync>;
 
+/// A hook that fails permanently ("bug #17 refuses <id>") for the ids in `broken`, until they
+/// are taken out of it (the fix is deployed).
+pub fn refusing(broken: &Arc<Mutex<HashSet<String>>>) -> Hook {
+    let broken = Arc::clone(broken);
+    Arc::new(move |id: String, _call: u32| {
+        let refused = broken.lock().unwrap().contains(&id);
+        Box::pin(async move {
+            if refused {
+                Err(HandlerError::permanent(format!("bug #17 refuses {id}")))
+            } else {
+                Ok(())
+            }
+        })
+    })
+}
+
 /// What the test handler does, per message id.
 #[derive(Default)]
 pub struct Script {
@@ -981,21 +997,8 @@ pub async fn dead_letters_are_replayed<D: TestDb>(brokers: &dyn BrokerFactory, d
     let (a, b) = (ids[6].clone(), ids[7].clone());
     // A bug makes the handler refuse a and b, until the fix is deployed.
     let broken = Arc::new(Mutex::new(HashSet::from([a.clone(), b.clone()])));
-    let hook: Hook = {
-        let broken = Arc::clone(&broken);
-        Arc::new(move |id: String, _call: u32| {
-            let refused = broken.lock().unwrap().contains(&id);
-            Box::pin(async move {
-                if refused {
-                    Err(HandlerError::permanent(format!("bug #17 refuses {id}")))
-                } else {
-                    Ok(())
-                }
-            })
-        })
-    };
     let script = Arc::new(Script {
-        hook: Some(hook),
+        hook: Some(refusing(&broken)),
         ..Script::default()
     });
     let consumer = s.consumer(&name, &script);

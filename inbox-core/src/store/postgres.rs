@@ -19,7 +19,7 @@ pub type PgTx = sqlx::Transaction<'static, Postgres>;
 const MIGRATE_LOCK: i64 = 0x696e_626f_7800_0001;
 const CLEANUP_LOCK: i64 = 0x696e_626f_7800_0002;
 
-/// A pooled connection that holds a session advisory lock. Dropped without
+/// A pooled connection that holds a session advisory lock (migrations, cleanup). Dropped without
 /// [`release`](Self::release) (an error, or the future cancelled mid-way), it is closed rather
 /// than returned to the pool: the lock dies with the session instead of staying held by an idle
 /// pooled connection.
@@ -99,16 +99,17 @@ impl InboxStore for PostgresStore {
     type Tx = PgTx;
 
     async fn migrate(&self) -> Result<(), StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        let mut held = LockedSession(Some(self.pool.acquire().await.map_err(store_error)?));
+        let conn = held.0.as_mut().expect("just set");
         sqlx::query("SELECT pg_advisory_lock($1)")
             .bind(MIGRATE_LOCK)
-            .execute(&mut *conn)
+            .execute(&mut **conn)
             .await
             .map_err(store_error)?;
         static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/postgres");
         let result = async {
             super::migrate::apply!(
-                &mut *conn,
+                &mut **conn,
                 &MIGRATOR,
                 create = "CREATE TABLE IF NOT EXISTS inbox_schema_migrations (
                     version bigint PRIMARY KEY, description text NOT NULL,
@@ -119,11 +120,10 @@ impl InboxStore for PostgresStore {
         .await;
         let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
             .bind(MIGRATE_LOCK)
-            .execute(&mut *conn)
+            .execute(&mut **conn)
             .await;
-        if unlocked.is_err() {
-            // A session lock dies with its connection; do not return that connection to the pool.
-            conn.detach();
+        if unlocked.is_ok() {
+            held.release();
         }
         result
     }

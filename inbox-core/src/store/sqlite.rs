@@ -374,7 +374,7 @@ impl InboxStore for SqliteStore {
     ) -> Result<CleanupReport, StoreError> {
         // SQLite has one writer at a time: each batch is a short write transaction, so claims
         // wait at most one batch.
-        let modifier = format!("-{:.3} seconds", older_than.as_secs_f64());
+        let modifier = ago(older_than);
         let batch = i64::from(batch_size.max(1));
         let mut report = CleanupReport::default();
         loop {
@@ -406,7 +406,7 @@ impl InboxStore for SqliteStore {
              WHERE processed_at IS NOT NULL
                AND processed_at < strftime('%Y-%m-%dT%H:%M:%fZ', 'now', $1)",
         )
-        .bind(format!("-{:.3} seconds", older_than.as_secs_f64()))
+        .bind(ago(older_than))
         .fetch_one(&self.pool)
         .await
         .map_err(store_error)?;
@@ -435,4 +435,9 @@ impl InboxStore for SqliteStore {
         .map_err(store_error)?;
         Ok(rows.into_iter().map(ConsumerStats::from_row).collect())
     }
+}
+
+/// The `strftime` modifier for "`older_than` before now".
+fn ago(older_than: Duration) -> String {
+    format!("-{:.3} seconds", older_than.as_secs_f64())
 }
