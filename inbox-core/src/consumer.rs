@@ -58,6 +58,9 @@ pub struct ConsumerReport {
     pub requeued: u64,
     /// Acks that did not reach the broker (the copy it redelivers is discarded).
     pub ack_failures: u64,
+    /// Batches whose transaction failed as a whole, so that their messages were handled one by
+    /// one (batch mode).
+    pub batch_fallbacks: u64,
 }
 
 #[derive(Debug, Default)]
@@ -69,6 +72,7 @@ struct Counters {
     dead_lettered: AtomicU64,
     requeued: AtomicU64,
     ack_failures: AtomicU64,
+    batch_fallbacks: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64) {
@@ -190,6 +194,8 @@ struct Inner<S: InboxStore, H> {
     lost_acks: Throttle,
     /// Subscribe failures while the broker is down: one log line per interval.
     broker_down: Throttle,
+    /// Dead letters that cannot be published (a broken destination): one line per interval.
+    dead_letter_failures: Throttle,
 }
 
 /// The W3C Trace Context header a producer's tracing puts on a message.
@@ -268,6 +274,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
                 counters: Counters::default(),
                 lost_acks: Throttle::new(OUTAGE_LOG_INTERVAL),
                 broker_down: Throttle::new(OUTAGE_LOG_INTERVAL),
+                dead_letter_failures: Throttle::new(OUTAGE_LOG_INTERVAL),
             }),
         }
     }
@@ -385,6 +392,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
             dead_lettered: get(&c.dead_lettered),
             requeued: get(&c.requeued),
             ack_failures: get(&c.ack_failures),
+            batch_fallbacks: get(&c.batch_fallbacks),
         }
     }
 
@@ -464,7 +472,8 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
                     p = Arc::clone(&permits).acquire_owned() => p.expect("the semaphore is never closed"),
                 };
                 // No new deliveries while the store is down: they would only wait in memory.
-                if !inner.store_outage.is_up() && !inner.store_outage.wait_until_up(&stop).await {
+                if !inner.store_outage.is_up() && !inner.store_outage.wait_for_recovery(&stop).await
+                {
                     break 'subscribe;
                 }
                 let next = match pushed_back.take() {
@@ -735,11 +744,15 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
             later = field::Empty,
         );
         async {
-            // Bad input and copies of a message already in the batch go the per-message way.
+            // Bad input and copies of a message already in the batch go the per-message way. So
+            // do redeliveries: if the process died in the batch they came in, the message it
+            // died on is among them, and alone it cannot take batch-mates down with it when its
+            // delivery count runs out.
             let mut entries: Vec<(Box<dyn Delivery>, MessageId)> = Vec::new();
             let mut later: Vec<Box<dyn Delivery>> = Vec::new();
             let mut ids = Vec::new();
             let mut seen = std::collections::HashSet::new();
+            let mut held_keys = std::collections::HashSet::new();
             for delivery in deliveries {
                 let id = match self.settings.id_strategy.extract(&*delivery) {
                     Ok(id) if delivery.payload().len() <= self.settings.max_payload_bytes => id,
@@ -748,7 +761,14 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
                         continue;
                     }
                 };
-                if seen.insert(id.clone()) {
+                let held = delivery
+                    .ordering_key()
+                    .is_some_and(|k| held_keys.contains(k));
+                if delivery.redelivered() || held {
+                    // Later messages of its key follow it, in order.
+                    held_keys.extend(delivery.ordering_key().map(str::to_owned));
+                    later.push(delivery);
+                } else if seen.insert(id.clone()) {
                     ids.push(id.clone());
                     entries.push((delivery, id));
                 } else {
@@ -765,6 +785,8 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
                     // unknown): every message goes the per-message way, which waits out an
                     // outage and finds what did commit.
                     tracing::warn!(error = %e, "batch failed; handling its messages one by one");
+                    bump(&self.counters.batch_fallbacks);
+                    metrics.batch_fallback();
                     let all = entries.into_iter().map(|(d, _)| d).chain(later).collect();
                     return self.process_each(all, metrics, stop).await;
                 }
@@ -953,7 +975,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
                 span.record("message_id", "<invalid>");
                 let reason = format!("invalid message id: {invalid}");
                 return Ok(self
-                    .dead_letter_unrecorded(delivery, None, 0, reason, metrics, stop)
+                    .dead_letter_unrecorded(delivery, reason, metrics, stop)
                     .await);
             }
         };
@@ -964,18 +986,26 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
                 delivery.payload().len(),
                 self.settings.max_payload_bytes
             );
-            return self
+            return Ok(self
                 .dead_letter_after_failure(delivery, &id, 1, reason, metrics, stop)
-                .await;
+                .await);
         }
 
         let mut retry_delays = self.settings.retry.delays();
+        let mut dead_letter_delays = self.settings.reconnect.delays();
         let mut local_retries = 0u32;
         loop {
+            // Work that waited (a retry, a batch's deferred rest) is not started after shutdown.
+            if stop.is_cancelled() {
+                return Ok(self.hand_back(delivery).await);
+            }
             let mut tx = match self.store.begin().await {
                 Ok(tx) => tx,
                 Err(e) => {
-                    if self.wait_out_store_error(e, stop).await? {
+                    if self
+                        .wait_out_store_error(e, &mut retry_delays, stop)
+                        .await?
+                    {
                         continue;
                     }
                     return Ok(self.hand_back(delivery).await);
@@ -988,7 +1018,10 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
                 Ok(claim) => claim,
                 Err(e) => {
                     drop(tx);
-                    if self.wait_out_store_error(e, stop).await? {
+                    if self
+                        .wait_out_store_error(e, &mut retry_delays, stop)
+                        .await?
+                    {
                         continue;
                     }
                     return Ok(self.hand_back(delivery).await);
@@ -1028,9 +1061,20 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
                 }
             };
             if let Some(reason) = exhausted {
-                return self
-                    .dead_letter_claimed(tx, delivery, &id, attempts, reason, metrics, stop)
-                    .await;
+                if self
+                    .dead_letter_claimed(tx, &*delivery, &id, attempts, &reason)
+                    .await
+                {
+                    self.ack(delivery).await;
+                    self.count_dead_letter(metrics, &reason);
+                    return Ok(Outcome::DeadLettered);
+                }
+                // Not settled (the dead letter or its mark failed): the message stays here and
+                // is tried again, never handed back — on Kafka a handed-back record is skipped.
+                if sleep_unless_stopped(next_delay(&mut dead_letter_delays), stop).await {
+                    continue;
+                }
+                return Ok(self.hand_back(delivery).await);
             }
 
             let failure = match self
@@ -1047,6 +1091,13 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
                         metrics.processed();
                         return Ok(Outcome::Processed);
                     }
+                    Err(e @ StoreError::Aborted(_)) => Failure {
+                        kind: e.kind(),
+                        reason: format!(
+                            "the handler returned Ok, but a statement in its transaction had failed (an error swallowed?), so nothing was committed: {}",
+                            error_chain(&e)
+                        ),
+                    },
                     // The commit may or may not have happened: retry; a redelivery finds the row
                     // if it did.
                     Err(e) => Failure {
@@ -1063,7 +1114,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
             metrics.failed();
             if failure.kind == ErrorKind::Permanent {
                 tracing::warn!(error = %failure.reason, "permanent failure; dead-lettering");
-                return self
+                return Ok(self
                     .dead_letter_after_failure(
                         delivery,
                         &id,
@@ -1072,20 +1123,30 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
                         metrics,
                         stop,
                     )
-                    .await;
+                    .await);
             }
             tracing::warn!(attempt, error = %failure.reason, "attempt failed");
-            if let Err(e) = self
-                .store
-                .record_failure(&self.name, &id, attempt, &failure.reason)
-                .await
-            {
-                if !e.is_transient() {
-                    self.hand_back(delivery).await;
-                    return Err(ConsumerError::Store(e));
+            let recorded = self
+                .retry_store(stop, || {
+                    self.store
+                        .record_failure(&self.name, &id, attempt, &failure.reason)
+                })
+                .await;
+            match recorded {
+                Ok(Some(_)) => {}
+                Ok(None) => return Ok(self.hand_back(delivery).await),
+                Err(e) => {
+                    // Uncounted, a failure could repeat for ever: the message goes to the
+                    // dead-letter destination instead, and the consumer goes on.
+                    let reason = format!(
+                        "{}; the failure could not be recorded: {}",
+                        failure.reason,
+                        error_chain(&e)
+                    );
+                    return Ok(self
+                        .dead_letter_after_failure(delivery, &id, attempt, reason, metrics, stop)
+                        .await);
                 }
-                // The store is down: the next claim waits for it.
-                self.store_outage.note(&e);
             }
             if attempt >= self.settings.retry.max_attempts {
                 // The next claim sees the limit reached and dead-letters under the row lock.
@@ -1144,12 +1205,16 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
         }
     }
 
-    /// A store error on the way to a claim: permanent ones stop the consumer; transient ones
-    /// are waited out (one task probes with backoff, the others wait for it). Returns false when
-    /// shutdown came first.
+    /// A store error on the way to a claim. Permanent ones stop the consumer: before a claim
+    /// they are the schema's or the configuration's (a missing table), not one message's.
+    /// Conflicts (a deadlock, a serialization failure, a busy SQLite) are retried after a short
+    /// backoff: they are what concurrent copies do, not an outage. Anything else transient is an
+    /// outage: one task probes with backoff, the others wait for it. Returns false when shutdown
+    /// came first.
     async fn wait_out_store_error(
         &self,
         error: StoreError,
+        retry_delays: &mut impl Iterator<Item = Duration>,
         stop: &CancellationToken,
     ) -> Result<bool, ConsumerError> {
         if !error.is_transient() {
@@ -1157,42 +1222,81 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
             stop.cancel();
             return Err(ConsumerError::Store(error));
         }
+        if matches!(error, StoreError::Conflict(_) | StoreError::Aborted(_)) {
+            tracing::debug!(error = %error, "claim conflicted; retrying");
+            return Ok(sleep_unless_stopped(next_delay(retry_delays), stop).await);
+        }
         Ok(self.store_outage.failed(&error, stop).await)
     }
 
-    /// Dead-letters a claimed message: publish, mark dead in the claim's transaction, commit, ack.
-    #[allow(clippy::too_many_arguments)]
+    /// Runs a bookkeeping write in its own transaction until it succeeds, waiting out transient
+    /// errors through the outage gate. `Ok(None)`: shutdown came first; `Err`: a permanent
+    /// error, which belongs to this message (the claim worked, so the schema is fine).
+    async fn retry_store<T, F, Fut>(
+        &self,
+        stop: &CancellationToken,
+        mut write: F,
+    ) -> Result<Option<T>, StoreError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        loop {
+            match write().await {
+                Ok(value) => {
+                    self.store_outage.succeeded();
+                    return Ok(Some(value));
+                }
+                Err(e) if e.is_transient() => {
+                    if !self.store_outage.failed(&e, stop).await {
+                        return Ok(None);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Dead-letters a claimed message: publish, mark dead in the claim's transaction, commit.
+    /// True when the message may be acked: the dead letter is published and, unless the table
+    /// refused it for good, marked. False: try again (nothing is marked; a second attempt may
+    /// publish a second copy of the dead letter, which a replay discards).
+    ///
+    /// The letter is published before the mark commits, not after: a mark committed with the
+    /// publish failing would make every redelivery a "duplicate" with no dead letter anywhere.
     async fn dead_letter_claimed(
         &self,
         mut tx: S::Tx,
-        delivery: Box<dyn Delivery>,
+        delivery: &dyn Delivery,
         id: &MessageId,
         attempts: u32,
-        reason: String,
-        metrics: &Metrics,
-        stop: &CancellationToken,
-    ) -> Result<Outcome, ConsumerError> {
+        reason: &str,
+    ) -> bool {
         if let Err(e) = self
-            .publish_dead_letter(&*delivery, Some(id), attempts, &reason)
+            .publish_dead_letter(delivery, Some(id), attempts, reason)
             .await
         {
             let _ = self.store.rollback(tx).await;
-            return Ok(self.dead_letter_publish_failed(delivery, e, stop).await);
+            self.dead_letter_publish_failed(&e);
+            return false;
         }
         let marked = async {
             self.store
-                .mark_dead_claimed(&mut tx, &self.name, id, attempts, &reason)
+                .mark_dead_claimed(&mut tx, &self.name, id, attempts, reason)
                 .await?;
             self.store.commit(tx).await
         };
-        if let Err(e) = marked.await {
-            // The dead letter is published; the redelivery will publish another copy.
-            tracing::warn!(error = %e, "could not mark the message dead");
-            return Ok(self.hand_back(delivery).await);
+        match marked.await {
+            Ok(()) => true,
+            Err(e) if e.is_transient() => {
+                tracing::warn!(error = %e, "could not mark the message dead; trying again");
+                false
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "dead letter published, but the inbox table refused the dead mark");
+                true
+            }
         }
-        self.ack(delivery).await;
-        self.count_dead_letter(metrics, &reason);
-        Ok(Outcome::DeadLettered)
     }
 
     /// Dead-letters after a failure whose transaction is gone: publish, record dead, ack.
@@ -1204,45 +1308,46 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
         reason: String,
         metrics: &Metrics,
         stop: &CancellationToken,
-    ) -> Result<Outcome, ConsumerError> {
-        if let Err(e) = self
-            .publish_dead_letter(&*delivery, Some(id), attempts, &reason)
+    ) -> Outcome {
+        if !self
+            .publish_dead_letter_until_done(&*delivery, Some(id), attempts, &reason, stop)
             .await
         {
-            return Ok(self.dead_letter_publish_failed(delivery, e, stop).await);
+            return self.hand_back(delivery).await;
         }
-        if let Err(e) = self
-            .store
-            .record_dead(&self.name, id, attempts, &reason)
+        match self
+            .retry_store(stop, || {
+                self.store.record_dead(&self.name, id, attempts, &reason)
+            })
             .await
         {
+            Ok(Some(())) => {}
             // The message is safe in the dead-letter destination; only the table misses the mark.
-            tracing::warn!(error = %e, "dead letter published but not recorded in the inbox table");
-            if !e.is_transient() {
-                self.ack(delivery).await;
-                return Err(ConsumerError::Store(e));
+            Ok(None) => {
+                tracing::warn!("dead letter published; shutdown came before the dead mark")
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "dead letter published, but the inbox table refused the dead mark")
             }
         }
         self.ack(delivery).await;
         self.count_dead_letter(metrics, &reason);
-        Ok(Outcome::DeadLettered)
+        Outcome::DeadLettered
     }
 
     /// Dead-letters a message that has no valid id, so no inbox row.
     async fn dead_letter_unrecorded(
         &self,
         delivery: Box<dyn Delivery>,
-        id: Option<&MessageId>,
-        attempts: u32,
         reason: String,
         metrics: &Metrics,
         stop: &CancellationToken,
     ) -> Outcome {
-        if let Err(e) = self
-            .publish_dead_letter(&*delivery, id, attempts, &reason)
+        if !self
+            .publish_dead_letter_until_done(&*delivery, None, 0, &reason, stop)
             .await
         {
-            return self.dead_letter_publish_failed(delivery, e, stop).await;
+            return self.hand_back(delivery).await;
         }
         self.ack(delivery).await;
         self.count_dead_letter(metrics, &reason);
@@ -1255,18 +1360,37 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
         metrics.dead_lettered();
     }
 
-    /// The dead letter could not be published: keep the message in the broker, after a pause
-    /// so that a broken dead-letter destination does not turn into a hot loop.
-    async fn dead_letter_publish_failed(
+    /// Publishes a dead letter, retrying with backoff until it is out. False: shutdown came
+    /// first. The message stays with this task meanwhile instead of going back to the broker:
+    /// a broker that redelivers would only bring it back to the same failure, and one that
+    /// cannot (Kafka) would skip it.
+    async fn publish_dead_letter_until_done(
         &self,
-        delivery: Box<dyn Delivery>,
-        error: TransportError,
+        delivery: &dyn Delivery,
+        id: Option<&MessageId>,
+        attempts: u32,
+        reason: &str,
         stop: &CancellationToken,
-    ) -> Outcome {
-        let delay = self.settings.reconnect.max_delay;
-        tracing::error!(error = %error, retry_in = ?delay, "could not publish the dead letter; handing the message back");
-        sleep_unless_stopped(delay, stop).await;
-        self.hand_back(delivery).await
+    ) -> bool {
+        let mut delays = self.settings.reconnect.delays();
+        loop {
+            match self
+                .publish_dead_letter(delivery, id, attempts, reason)
+                .await
+            {
+                Ok(()) => return true,
+                Err(e) => self.dead_letter_publish_failed(&e),
+            }
+            if !sleep_unless_stopped(next_delay(&mut delays), stop).await {
+                return false;
+            }
+        }
+    }
+
+    fn dead_letter_publish_failed(&self, error: &TransportError) {
+        if let Some(n) = self.dead_letter_failures.due() {
+            tracing::error!(error = %error, failures = n, "could not publish a dead letter; the message waits and is tried again");
+        }
     }
 
     async fn publish_dead_letter(

@@ -37,6 +37,12 @@ pub enum StoreError {
     /// The database refused the statement for a reason retrying will not fix (permanent).
     #[error("database error: {0}")]
     Database(#[source] BoxError),
+    /// The transaction was aborted by an earlier statement that failed — typically one the
+    /// handler ran and whose error it swallowed — so it can only roll back (transient: the
+    /// message is retried). On PostgreSQL a `COMMIT` of such a transaction reports success and
+    /// rolls back; the store detects it before committing and returns this instead.
+    #[error("transaction aborted by an earlier failed statement; nothing was committed: {0}")]
+    Aborted(#[source] BoxError),
     /// The inbox schema could not be brought up to date (permanent).
     #[error("migration failed: {0}")]
     Migration(String),
@@ -46,7 +52,9 @@ impl StoreError {
     /// Whether the operation may succeed when tried again.
     pub fn kind(&self) -> ErrorKind {
         match self {
-            StoreError::Unavailable(_) | StoreError::Conflict(_) => ErrorKind::Transient,
+            StoreError::Unavailable(_) | StoreError::Conflict(_) | StoreError::Aborted(_) => {
+                ErrorKind::Transient
+            }
             StoreError::Database(_) | StoreError::Migration(_) => ErrorKind::Permanent,
         }
     }

@@ -18,6 +18,9 @@ pub const FAILED: &str = "inbox_failed_total";
 pub const RETRIED: &str = "inbox_retried_total";
 /// Messages dead-lettered.
 pub const DEAD_LETTERED: &str = "inbox_dead_lettered_total";
+/// Batches whose transaction failed as a whole, so that their messages were handled one by one
+/// (batch mode). Steadily above zero means batches buy nothing: look at the logs for why.
+pub const BATCH_FALLBACKS: &str = "inbox_batch_fallbacks_total";
 /// Rows in the inbox table (gauge, sampled by a running consumer; see
 /// `Consumer::sample_stats_every`).
 pub const ROWS: &str = "inbox_rows";
@@ -37,6 +40,7 @@ pub(crate) struct Metrics {
     failed: Counter,
     retried: Counter,
     dead_lettered: Counter,
+    batch_fallbacks: Counter,
     claim_seconds: Histogram,
     handle_seconds: Histogram,
     rows: Gauge,
@@ -55,6 +59,7 @@ impl Metrics {
             failed: counter!(FAILED, &labels),
             retried: counter!(RETRIED, &labels),
             dead_lettered: counter!(DEAD_LETTERED, &labels),
+            batch_fallbacks: counter!(BATCH_FALLBACKS, &labels),
             claim_seconds: histogram!(CLAIM_SECONDS, &labels),
             handle_seconds: histogram!(HANDLE_SECONDS, &labels),
             rows: gauge!(ROWS, &labels),
@@ -76,6 +81,9 @@ impl Metrics {
     }
     pub(crate) fn dead_lettered(&self) {
         self.dead_lettered.increment(1);
+    }
+    pub(crate) fn batch_fallback(&self) {
+        self.batch_fallbacks.increment(1);
     }
 
     pub(crate) fn rows(&self, rows: u64, dead: u64) {

@@ -19,6 +19,8 @@ pub(crate) struct Outage {
     log_every: Duration,
     state: Mutex<State>,
     up: watch::Sender<bool>,
+    /// The prober's task was aborted mid-sleep: the waiters contend to probe instead.
+    prober_gone: tokio::sync::Notify,
 }
 
 struct State {
@@ -49,6 +51,7 @@ impl Outage {
                 delays,
             }),
             up: watch::Sender::new(true),
+            prober_gone: tokio::sync::Notify::new(),
         }
     }
 
@@ -71,16 +74,29 @@ impl Outage {
         }
     }
 
-    /// Counts a failure without waiting (an operation whose caller goes on by other means).
-    pub(crate) fn note(&self, error: &dyn std::fmt::Display) {
-        let mut state = self.lock();
-        self.count(&mut state, error);
+    /// What the consumer's main loop waits on before it takes a delivery: the dependency up, or
+    /// nobody probing it any more (the prober's task was aborted with a dropped `run`): then the
+    /// next delivery's operation is the probe. False when `stop` fired first.
+    pub(crate) async fn wait_for_recovery(&self, stop: &CancellationToken) -> bool {
+        loop {
+            tokio::select! {
+                biased;
+                () = stop.cancelled() => return false,
+                r = self.wait_until_up(stop) => return r,
+                () = tokio::time::sleep(self.policy.max_delay) => {
+                    if !self.lock().probing {
+                        return true;
+                    }
+                }
+            }
+        }
     }
 
     /// A transient failure: marks the dependency down, logs (at most once per interval), and
     /// waits — the first task to get here sleeps one backoff delay and then probes (its caller
-    /// retries its operation); the others wait until an operation succeeds. Returns false when
-    /// `stop` fired first.
+    /// retries its operation); the others wait until an operation succeeds, or until the prober
+    /// is gone without an outcome (its task aborted: then they contend to probe again). Returns
+    /// false when `stop` fired first.
     pub(crate) async fn failed(
         &self,
         error: &(dyn std::fmt::Display + Sync),
@@ -98,15 +114,26 @@ impl Outage {
         };
         match delay {
             Some(delay) => {
+                let mut probing = ProbeGuard {
+                    outage: self,
+                    finished: false,
+                };
                 let slept = tokio::select! {
                     biased;
                     () = stop.cancelled() => false,
                     () = tokio::time::sleep(delay) => true,
                 };
-                self.lock().probing = false;
+                probing.finished = true;
                 slept
             }
-            None => self.wait_until_up(stop).await,
+            None => {
+                let gone = self.prober_gone.notified();
+                tokio::select! {
+                    biased;
+                    r = self.wait_until_up(stop) => r,
+                    () = gone => true,
+                }
+            }
         }
     }
 
@@ -159,6 +186,22 @@ impl Outage {
             );
             state.unlogged = 0;
             state.last_log = Some(now);
+        }
+    }
+}
+
+/// Clears `probing` when the prober's sleep ends, however it ends; dropped before it finished
+/// (its task aborted), it wakes the waiters so that one of them probes instead.
+struct ProbeGuard<'a> {
+    outage: &'a Outage,
+    finished: bool,
+}
+
+impl Drop for ProbeGuard<'_> {
+    fn drop(&mut self) {
+        self.outage.lock().probing = false;
+        if !self.finished {
+            self.outage.prober_gone.notify_waiters();
         }
     }
 }
@@ -238,9 +281,45 @@ mod tests {
             Duration::from_secs(10),
         );
         let stop = CancellationToken::new();
-        outage.note(&"down");
         stop.cancel();
+        assert!(!outage.failed(&"down", &stop).await);
         assert!(!outage.wait_until_up(&stop).await);
+    }
+
+    /// A prober whose task is aborted mid-sleep (a `run` future dropped by its caller) must not
+    /// leave the gate shut with nobody to open it: a waiter takes over the probing, and the main
+    /// loop's wait ends once nobody probes.
+    #[tokio::test(start_paused = true)]
+    async fn an_aborted_prober_does_not_wedge_the_gate() {
+        let policy = RetryPolicy::default()
+            .with_delays(Duration::from_secs(1), Duration::from_secs(4))
+            .with_jitter(false);
+        let outage = Arc::new(Outage::new("test store", policy, Duration::from_secs(10)));
+        let stop = CancellationToken::new();
+        let spawn_failed = || {
+            let (o, s) = (Arc::clone(&outage), stop.clone());
+            tokio::spawn(async move { o.failed(&"down", &s).await })
+        };
+        let prober = spawn_failed();
+        tokio::task::yield_now().await;
+        let waiter = spawn_failed();
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        prober.abort();
+        let _ = prober.await;
+        assert!(
+            waiter.await.unwrap(),
+            "woken to probe in the prober's place"
+        );
+        // With nobody probing at all, the main loop's wait ends after the longest delay.
+        assert!(!outage.is_up());
+        let main_loop = {
+            let (o, s) = (Arc::clone(&outage), stop.clone());
+            tokio::spawn(async move { o.wait_for_recovery(&s).await })
+        };
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(main_loop.is_finished(), "the main loop probes itself");
+        assert!(main_loop.await.unwrap());
     }
 
     #[tokio::test(start_paused = true)]

@@ -137,8 +137,16 @@ pub struct Script {
     pub permanent: HashSet<String>,
     /// These ids panic on their first call.
     pub panic_once: HashSet<String>,
-    /// Decode the payload as JSON `{"n": <number>}` first.
+    /// Decode the payload as JSON `{"n": <number>, "kind"?: "a"}` first.
     pub decode_json: bool,
+    /// These ids write their effect, then run a statement the database refuses, swallow its
+    /// error and return Ok — on every call (`swallow_always`) or on the first only.
+    pub swallow_always: HashSet<String>,
+    pub swallow_once: HashSet<String>,
+    /// These ids write their effect and then fail transiently, on their first call.
+    pub fail_after_write_once: HashSet<String>,
+    /// Scripted error texts carry a NUL character (as a decoder's error may, quoting a payload).
+    pub nul_in_errors: bool,
     /// Runs before the effect is written.
     pub hook: Option<Hook>,
     pub calls: Mutex<HashMap<String, u32>>,
@@ -155,6 +163,13 @@ impl Script {
 #[allow(dead_code)]
 struct Payload {
     n: u64,
+    kind: Option<Kind>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Kind {
+    A,
 }
 
 /// The handler every scenario uses: writes one effect row per handled message, in the inbox
@@ -182,17 +197,20 @@ impl<D: TestDb> Handler<<D::Store as InboxStore>::Tx> for TestHandler<D> {
         if self.script.decode_json {
             let _: Payload = message.json()?;
         }
+        let nul = if self.script.nul_in_errors { "\0" } else { "" };
         if self.script.permanent.contains(&id) {
-            return Err(HandlerError::permanent(format!("{id} can never succeed")));
+            return Err(HandlerError::permanent(format!(
+                "{id} can never succeed{nul}"
+            )));
         }
         if self.script.always_fail.contains(&id) {
             return Err(HandlerError::transient(format!(
-                "{id} fails every time (call {call})"
+                "{id} fails every time (call {call}){nul}"
             )));
         }
         if call <= self.script.fail_first {
             return Err(HandlerError::transient(format!(
-                "scripted failure {call} of {id}"
+                "scripted failure {call} of {id}{nul}"
             )));
         }
         if call == 1 && self.script.panic_once.contains(&id) {
@@ -204,7 +222,19 @@ impl<D: TestDb> Handler<<D::Store as InboxStore>::Tx> for TestHandler<D> {
         self.db
             .write_effect(tx, &self.run, message.consumer.as_str(), &id)
             .await
-            .map_err(HandlerError::from)
+            .map_err(HandlerError::from)?;
+        let swallow = self.script.swallow_always.contains(&id)
+            || (call == 1 && self.script.swallow_once.contains(&id));
+        if swallow {
+            // The "idempotent insert" anti-pattern: an error caught and ignored.
+            let _ = self.db.failing_statement(tx).await;
+        }
+        if call == 1 && self.script.fail_after_write_once.contains(&id) {
+            return Err(HandlerError::transient(format!(
+                "{id} failed after writing its effect"
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -392,7 +422,7 @@ impl<D: TestDb> Scenario<D> {
 /// Consumer instances running in the background.
 pub struct Running {
     token: CancellationToken,
-    handles: Vec<JoinHandle<Result<ConsumerReport, ConsumerError>>>,
+    pub handles: Vec<JoinHandle<Result<ConsumerReport, ConsumerError>>>,
 }
 
 impl Running {
@@ -1487,6 +1517,146 @@ pub async fn crash_looping_message_is_dead_lettered<D: TestDb>(
     assert!(row.dead, "{row:?}");
 }
 
+/// A handler that writes its effect, then swallows the error of a statement the database refused,
+/// returns Ok. On PostgreSQL that transaction is aborted: its COMMIT reports success and rolls
+/// back, so acking would lose the message. Nothing may be lost: every message ends with exactly
+/// one effect or exactly one dead letter — on PostgreSQL the swallowing ones are retried and then
+/// dead-lettered with the reason, on SQLite (where a failed statement aborts nothing) they commit.
+/// In batch mode the swallowing messages sit in the middle and at the end of the batch.
+pub async fn swallowed_database_errors_lose_nothing<D: TestDb>(
+    brokers: &dyn BrokerFactory,
+    db: &Arc<D>,
+) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = s.name("swallow");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = (0..8).map(|i| s.id(i)).collect();
+    let swallowers = HashSet::from([ids[2].clone(), ids[7].clone()]);
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    let script = Arc::new(Script {
+        swallow_always: swallowers.clone(),
+        ..Script::default()
+    });
+    let consumer = s.consumer(&name, &script);
+    let running = Running::start(&consumer, 1);
+    let good: Vec<String> = if D::FAILED_STATEMENT_ABORTS {
+        ids.iter()
+            .filter(|id| !swallowers.contains(*id))
+            .cloned()
+            .collect()
+    } else {
+        ids.clone()
+    };
+    s.wait_for(&[&name], good.len()).await;
+    if D::FAILED_STATEMENT_ABORTS {
+        s.dead_letters(swallowers.len()).await;
+    }
+    eventually("settled", || async {
+        s.broker.settled(&s.source, &[&name]).await
+    })
+    .await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &good).await;
+    let dead = s.broker.published(&s.dead_letter_destination()).await;
+    if !D::FAILED_STATEMENT_ABORTS {
+        assert!(dead.is_empty(), "{dead:?}");
+        return;
+    }
+    let dead_ids: HashSet<&str> = dead
+        .iter()
+        .map(|m| header(m, dead_letter_headers::MESSAGE_ID))
+        .collect();
+    assert_eq!(
+        dead_ids,
+        swallowers.iter().map(String::as_str).collect(),
+        "each swallowing message dead-lettered once: {dead:?}"
+    );
+    assert_eq!(dead.len(), swallowers.len(), "{dead:?}");
+    for letter in &dead {
+        let reason = header(letter, dead_letter_headers::REASON);
+        assert!(reason.contains("nothing was committed"), "{reason}");
+    }
+    for id in &swallowers {
+        let row = s.db.row(&s.store, &name, id).await.expect("a dead row");
+        assert!(row.dead && !row.processed, "{id}: {row:?}");
+        // In batch mode the batch's own try comes first; it counts against no message.
+        let batched = BATCHED.try_with(|b| *b).unwrap_or(false);
+        let calls = script.calls(id);
+        assert!(
+            calls == 4 || (batched && calls == 5),
+            "{id}: retried up to max_attempts, {calls} calls"
+        );
+    }
+}
+
+/// Error texts with a NUL in them (a decoder quoting a crafted payload, a handler's own message)
+/// are stored, not refused: PostgreSQL's `text` cannot hold NUL, and a bookkeeping write the
+/// database refuses must never stop the consumer. A transient failure is retried and succeeds, a
+/// permanent one and an undecodable payload are dead-lettered, and a good message after them is
+/// handled by the same running consumer.
+pub async fn error_texts_with_nul_are_stored<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = s.name("nul");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let (flaky, broken, crafted, after) = (s.id(0), s.id(1), s.id(2), s.id(3));
+    s.publish(&flaky, 0).await;
+    s.publish(&broken, 1).await;
+    // serde quotes an unknown enum variant verbatim: the NUL reaches the error text.
+    s.publish_raw(OutgoingMessage::new(
+        crafted.clone(),
+        "{\"n\":2,\"kind\":\"\\u0000nul\"}",
+    ))
+    .await;
+    let script = Arc::new(Script {
+        permanent: HashSet::from([broken.clone()]),
+        decode_json: true,
+        nul_in_errors: true,
+        hook: Some({
+            let flaky = flaky.clone();
+            Arc::new(move |id: String, call: u32| {
+                let fail = id == flaky && call == 1;
+                Box::pin(async move {
+                    if fail {
+                        Err(HandlerError::transient("upstream said \0 no"))
+                    } else {
+                        Ok(())
+                    }
+                })
+            })
+        }),
+        ..Script::default()
+    });
+    let consumer = s.consumer(&name, &script);
+    let running = Running::start(&consumer, 1);
+    s.dead_letters(2).await;
+    s.publish(&after, 3).await;
+    s.wait_for(&[&name], 2).await;
+    assert!(
+        running.handles.iter().all(|h| !h.is_finished()),
+        "the consumer is still running"
+    );
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &[flaky.clone(), after])
+        .await;
+    let row = s.db.row(&s.store, &name, &broken).await.expect("a row");
+    assert!(row.dead, "{row:?}");
+    let stored = row.last_error.unwrap_or_default();
+    assert!(
+        stored.contains("can never succeed\u{fffd}"),
+        "NUL stored as U+FFFD: {stored:?}"
+    );
+    let row = s.db.row(&s.store, &name, &crafted).await.expect("a row");
+    assert!(row.dead, "{row:?}");
+    assert!(
+        row.last_error.unwrap_or_default().contains('\u{fffd}'),
+        "the decoder's text, NUL replaced"
+    );
+    let row = s.db.row(&s.store, &name, &flaky).await.expect("a row");
+    assert!(row.processed && row.attempts == 1, "{row:?}");
+}
+
 /// Generates one `#[tokio::test]` per scenario for a (broker factory, database) pair.
 #[macro_export]
 macro_rules! conformance_suite {
@@ -1514,6 +1684,8 @@ macro_rules! conformance_suite {
                 crash_looping_message_is_dead_lettered,
                 dead_letters_are_replayed,
                 store_outage_pauses_deliveries,
+                swallowed_database_errors_lose_nothing,
+                error_texts_with_nul_are_stored,
             );
         }
     };

@@ -25,6 +25,8 @@ pub trait TestDb: Send + Sync + Sized + 'static {
     type Store: InboxStore + Clone;
     /// Whether several write transactions run at once (not on SQLite).
     const CONCURRENT_WRITERS: bool;
+    /// Whether a failed statement aborts its transaction (PostgreSQL; not SQLite).
+    const FAILED_STATEMENT_ABORTS: bool;
     /// A migrated store on a database of its own, with the effects table.
     async fn store(&self) -> Self::Store;
     /// The test handler's business write.
@@ -34,6 +36,11 @@ pub trait TestDb: Send + Sync + Sized + 'static {
         run: &str,
         consumer: &str,
         message_id: &str,
+    ) -> Result<(), sqlx::Error>;
+    /// A statement the database refuses (an unknown table), run in the handler's transaction.
+    async fn failing_statement(
+        &self,
+        tx: &mut <Self::Store as InboxStore>::Tx,
     ) -> Result<(), sqlx::Error>;
     /// Effect rows per (consumer, message id).
     async fn effects(&self, store: &Self::Store, run: &str) -> HashMap<(String, String), i64>;
@@ -68,11 +75,12 @@ fn app_migrator() -> Migrator {
 /// The implementation both databases share: the SQL is the same, only the types differ.
 /// (A macro producing the whole impl, as `#[async_trait]` must see every method.)
 macro_rules! test_db {
-    ($db:ty, $store:ty, $tx:ty, concurrent_writers = $concurrent:expr) => {
+    ($db:ty, $store:ty, $tx:ty, concurrent_writers = $concurrent:expr, failed_statement_aborts = $aborts:expr) => {
         #[async_trait]
         impl TestDb for $db {
             type Store = $store;
             const CONCURRENT_WRITERS: bool = $concurrent;
+            const FAILED_STATEMENT_ABORTS: bool = $aborts;
 
             async fn store(&self) -> $store {
                 let store = Self::connect_fresh().await;
@@ -86,6 +94,13 @@ macro_rules! test_db {
                 .bind(run)
                 .bind(consumer)
                 .bind(id)
+                .execute(&mut **tx)
+                .await
+                .map(drop)
+        }
+
+        async fn failing_statement(&self, tx: &mut $tx) -> Result<(), sqlx::Error> {
+            sqlx::query("SELECT * FROM conformance_no_such_table")
                 .execute(&mut **tx)
                 .await
                 .map(drop)
@@ -155,7 +170,13 @@ impl Sqlite {
     }
 }
 
-test_db!(Sqlite, SqliteStore, SqliteTx, concurrent_writers = false);
+test_db!(
+    Sqlite,
+    SqliteStore,
+    SqliteTx,
+    concurrent_writers = false,
+    failed_statement_aborts = false
+);
 
 /// PostgreSQL: a new database per scenario on the server of `DATABASE_URL`.
 pub struct Postgres;
@@ -196,7 +217,13 @@ impl Postgres {
     }
 }
 
-test_db!(Postgres, PostgresStore, PgTx, concurrent_writers = true);
+test_db!(
+    Postgres,
+    PostgresStore,
+    PgTx,
+    concurrent_writers = true,
+    failed_statement_aborts = true
+);
 
 mod url_like {
     //! Just enough URL handling to swap the database name of a PostgreSQL URL.

@@ -305,12 +305,19 @@ pub(crate) fn batch_claims(
         .collect()
 }
 
-/// Cuts an error text to [`MAX_ERROR_CHARS`].
+/// An error text as the inbox table can hold it: cut to [`MAX_ERROR_CHARS`], and NUL (which
+/// PostgreSQL's `text` refuses, and which a payload can smuggle into a decoder's error message)
+/// replaced by U+FFFD. A text the table refused would stop the bookkeeping of its message.
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
-pub(crate) fn truncate_error(error: &str) -> &str {
-    match error.char_indices().nth(MAX_ERROR_CHARS) {
+pub(crate) fn storable_error(error: &str) -> std::borrow::Cow<'_, str> {
+    let cut = match error.char_indices().nth(MAX_ERROR_CHARS) {
         Some((at, _)) => &error[..at],
         None => error,
+    };
+    if cut.contains('\0') {
+        std::borrow::Cow::Owned(cut.replace('\0', "\u{fffd}"))
+    } else {
+        std::borrow::Cow::Borrowed(cut)
     }
 }
 
@@ -331,12 +338,16 @@ mod sql_errors {
             | sqlx::Error::PoolClosed
             | sqlx::Error::WorkerCrashed => ErrorKind::Transient,
             sqlx::Error::Database(db) => match db.code() {
-                Some(code) if transient_code(&code) => ErrorKind::Transient,
+                Some(code) if transient_code(&code) || code == ABORTED => ErrorKind::Transient,
                 _ => ErrorKind::Permanent,
             },
             _ => ErrorKind::Permanent,
         }
     }
+
+    /// PostgreSQL's "current transaction is aborted": a statement after one that failed. Retrying
+    /// the whole transaction may well succeed.
+    pub(crate) const ABORTED: &str = "25P02";
 
     fn transient_code(code: &str) -> bool {
         // PostgreSQL SQLSTATEs: connection exceptions (08), serialization failure and deadlock
@@ -359,6 +370,9 @@ mod sql_errors {
     pub(crate) fn store_error(error: sqlx::Error) -> StoreError {
         let transient = classify(&error) == ErrorKind::Transient;
         match error {
+            sqlx::Error::Database(ref db) if db.code().as_deref() == Some(ABORTED) => {
+                StoreError::Aborted(Box::new(error))
+            }
             sqlx::Error::Database(_) if transient => StoreError::Conflict(Box::new(error)),
             _ if transient => StoreError::Unavailable(Box::new(error)),
             _ => StoreError::Database(Box::new(error)),

@@ -7,7 +7,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Postgres};
 
 use super::{
-    Claim, CleanupReport, ConsumerStats, DeadLetter, InboxStore, store_error, truncate_error,
+    Claim, CleanupReport, ConsumerStats, DeadLetter, InboxStore, storable_error, store_error,
 };
 use crate::error::StoreError;
 use crate::id::{ConsumerName, MessageId};
@@ -129,7 +129,12 @@ impl InboxStore for PostgresStore {
     }
 
     async fn begin(&self) -> Result<PgTx, StoreError> {
-        self.pool.begin().await.map_err(store_error)
+        // Set here, not left to the server's default: under REPEATABLE READ or SERIALIZABLE a
+        // copy that waited on the claim's row lock fails with 40001 instead of seeing it done.
+        self.pool
+            .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+            .await
+            .map_err(store_error)
     }
 
     async fn claim(
@@ -213,7 +218,7 @@ impl InboxStore for PostgresStore {
         id: &MessageId,
         failure: Option<(u32, &str)>,
     ) -> Result<(), StoreError> {
-        let (attempt, error) = failure.map_or((0, None), |(a, e)| (a, Some(truncate_error(e))));
+        let (attempt, error) = failure.map_or((0, None), |(a, e)| (a, Some(storable_error(e))));
         sqlx::query(
             "UPDATE inbox_messages SET processed_at = NULL,
                 attempts = GREATEST(attempts + CASE WHEN $4::text IS NULL THEN 0 ELSE 1 END, $3),
@@ -246,14 +251,22 @@ impl InboxStore for PostgresStore {
         .bind(consumer.as_str())
         .bind(id.as_str())
         .bind(attempts as i32)
-        .bind(truncate_error(reason))
+        .bind(storable_error(reason))
         .execute(&mut **tx)
         .await
         .map_err(store_error)?;
         Ok(())
     }
 
-    async fn commit(&self, tx: PgTx) -> Result<(), StoreError> {
+    async fn commit(&self, mut tx: PgTx) -> Result<(), StoreError> {
+        // PostgreSQL answers COMMIT of an aborted transaction (a handler swallowed a failed
+        // statement's error) with "ROLLBACK" and no error, and sqlx reports success: the engine
+        // would ack a message whose claim was rolled back. One statement proves the transaction
+        // is live first; in an aborted one it fails with 25P02 (`StoreError::Aborted`).
+        if let Err(e) = sqlx::query("SELECT 1").execute(&mut *tx).await {
+            let _ = tx.rollback().await;
+            return Err(store_error(e));
+        }
         tx.commit().await.map_err(store_error)
     }
 
@@ -279,7 +292,7 @@ impl InboxStore for PostgresStore {
         .bind(consumer.as_str())
         .bind(id.as_str())
         .bind(attempt.max(1) as i32)
-        .bind(truncate_error(error))
+        .bind(storable_error(error))
         .fetch_optional(&self.pool)
         .await
         .map_err(store_error)?;
@@ -304,7 +317,7 @@ impl InboxStore for PostgresStore {
         .bind(consumer.as_str())
         .bind(id.as_str())
         .bind(attempts as i32)
-        .bind(truncate_error(reason))
+        .bind(storable_error(reason))
         .execute(&self.pool)
         .await
         .map_err(store_error)?;

@@ -9,7 +9,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::{Sqlite, SqlitePool};
 
 use super::{
-    Claim, CleanupReport, ConsumerStats, DeadLetter, InboxStore, store_error, truncate_error,
+    Claim, CleanupReport, ConsumerStats, DeadLetter, InboxStore, storable_error, store_error,
 };
 use crate::error::StoreError;
 use crate::id::{ConsumerName, MessageId};
@@ -45,14 +45,17 @@ impl SqliteStore {
         Self { pool }
     }
 
-    /// Opens (creating if missing) a database file, in WAL mode with a 30 s busy timeout.
-    /// `url` is `sqlite:path.db` or `sqlite::memory:`.
+    /// Opens (creating if missing) a database file, in WAL mode with a 30 s busy timeout and
+    /// `synchronous = FULL`: a commit is on disk before the consumer acks it. (NORMAL, SQLite's
+    /// usual pairing with WAL, is faster but a power loss or OS crash can roll back commits that
+    /// were already acked — messages lost. Build the pool yourself and use [`new`](Self::new)
+    /// if that trade is yours to make.) `url` is `sqlite:path.db` or `sqlite::memory:`.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         let options = SqliteConnectOptions::from_str(url)
             .map_err(store_error)?
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Normal)
+            .synchronous(SqliteSynchronous::Full)
             .busy_timeout(Duration::from_secs(30));
         // An in-memory database exists once per connection: keep exactly one.
         let max = if url.contains(":memory:") || url.contains("mode=memory") {
@@ -213,7 +216,7 @@ impl InboxStore for SqliteStore {
         id: &MessageId,
         failure: Option<(u32, &str)>,
     ) -> Result<(), StoreError> {
-        let (attempt, error) = failure.map_or((0, None), |(a, e)| (a, Some(truncate_error(e))));
+        let (attempt, error) = failure.map_or((0, None), |(a, e)| (a, Some(storable_error(e))));
         sqlx::query(
             "UPDATE inbox_messages SET processed_at = NULL,
                 attempts = MAX(attempts + CASE WHEN $4 IS NULL THEN 0 ELSE 1 END, $3),
@@ -248,7 +251,7 @@ impl InboxStore for SqliteStore {
         .bind(consumer.as_str())
         .bind(id.as_str())
         .bind(i64::from(attempts))
-        .bind(truncate_error(reason))
+        .bind(storable_error(reason))
         .execute(&mut **tx)
         .await
         .map_err(store_error)?;
@@ -281,7 +284,7 @@ impl InboxStore for SqliteStore {
         .bind(consumer.as_str())
         .bind(id.as_str())
         .bind(i64::from(attempt.max(1)))
-        .bind(truncate_error(error))
+        .bind(storable_error(error))
         .fetch_optional(&self.pool)
         .await
         .map_err(store_error)?;
@@ -308,7 +311,7 @@ impl InboxStore for SqliteStore {
         .bind(consumer.as_str())
         .bind(id.as_str())
         .bind(i64::from(attempts))
-        .bind(truncate_error(reason))
+        .bind(storable_error(reason))
         .execute(&self.pool)
         .await
         .map_err(store_error)?;
