@@ -1,14 +1,51 @@
-//! A store that can be switched off: every call fails as the database going away would
-//! (transient `Unavailable`), and the calls made while it is off are counted. It also counts the
-//! transactions begun.
+//! A store wrapper that injects faults as fine as the world's: the whole database switched off
+//! (every call fails as a lost connection would), or one chosen method failing — for one message
+//! id or for any, a number of times, transiently or permanently — including a commit that is
+//! applied but whose reply is lost. From a seed, it fails calls at random. It also counts the
+//! transactions begun and the calls refused.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use inbox::store::{CleanupReport, ConsumerStats, DeadLetter};
 use inbox::{Claim, ConsumerName, InboxStore, MessageId, StoreError};
+
+/// The store methods a fault can be aimed at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Method {
+    Begin,
+    Claim,
+    ClaimBatch,
+    Savepoint,
+    RollbackToSavepoint,
+    ReleaseSavepoint,
+    ReleaseClaim,
+    MarkDeadClaimed,
+    Commit,
+    RecordFailure,
+    RecordDead,
+    Revive,
+}
+
+/// What an injected fault does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Fails before reaching the database, as a lost connection (transient).
+    Unavailable,
+    /// Fails before reaching the database, as a statement the database refuses (permanent).
+    Refused,
+    /// Commit only: the commit is applied, then the reply is lost (transient error).
+    CommitAppliedReplyLost,
+}
+
+struct Injected {
+    method: Method,
+    id: Option<String>,
+    fault: Fault,
+    remaining: u32,
+}
 
 #[derive(Clone)]
 pub struct FlakyStore<S> {
@@ -16,6 +53,11 @@ pub struct FlakyStore<S> {
     down: Arc<AtomicBool>,
     refused: Arc<AtomicU64>,
     begun: Arc<AtomicU64>,
+    injected: Arc<Mutex<Vec<Injected>>>,
+    /// (state of a SplitMix64, probability of a transient fault per call).
+    random: Option<Arc<Mutex<(u64, f64)>>>,
+    /// Faults that fired, per method (for assertions that the fault really happened).
+    fired: Arc<Mutex<Vec<(Method, Fault)>>>,
 }
 
 impl<S> FlakyStore<S> {
@@ -25,11 +67,38 @@ impl<S> FlakyStore<S> {
             down: Arc::default(),
             refused: Arc::default(),
             begun: Arc::default(),
+            injected: Arc::default(),
+            random: None,
+            fired: Arc::default(),
+        }
+    }
+
+    /// Every call of a method that reaches the database fails transiently with `probability`
+    /// (a commit: half of them applied, reply lost), decided by a generator seeded with `seed`.
+    pub fn seeded(inner: S, seed: u64, probability: f64) -> Self {
+        Self {
+            random: Some(Arc::new(Mutex::new((seed, probability)))),
+            ..Self::new(inner)
         }
     }
 
     pub fn set_down(&self, down: bool) {
         self.down.store(down, Ordering::SeqCst);
+    }
+
+    /// The next `times` calls of `method` (for message `id`, where given) fail with `fault`.
+    pub fn inject(&self, method: Method, id: Option<&str>, fault: Fault, times: u32) {
+        self.injected.lock().unwrap().push(Injected {
+            method,
+            id: id.map(str::to_owned),
+            fault,
+            remaining: times,
+        });
+    }
+
+    /// The faults that fired so far.
+    pub fn fired(&self) -> Vec<(Method, Fault)> {
+        self.fired.lock().unwrap().clone()
     }
 
     /// Transactions begun since the start.
@@ -52,6 +121,70 @@ impl<S> FlakyStore<S> {
             Ok(())
         }
     }
+
+    /// The fault for this call, if one is due.
+    fn fault(&self, method: Method, id: Option<&MessageId>) -> Option<Fault> {
+        let scripted = {
+            let mut injected = self.injected.lock().unwrap();
+            let due = injected.iter_mut().find(|f| {
+                f.remaining > 0
+                    && f.method == method
+                    && f.id
+                        .as_deref()
+                        .is_none_or(|want| id.is_some_and(|id| id.as_str() == want))
+            });
+            due.map(|f| {
+                f.remaining -= 1;
+                f.fault
+            })
+        };
+        let fault = scripted.or_else(|| {
+            let random = self.random.as_ref()?;
+            let mut random = random.lock().unwrap();
+            let draw = splitmix(&mut random.0);
+            if draw >= random.1 {
+                return None;
+            }
+            Some(
+                if method == Method::Commit && splitmix(&mut random.0) < 0.5 {
+                    Fault::CommitAppliedReplyLost
+                } else {
+                    Fault::Unavailable
+                },
+            )
+        })?;
+        self.fired.lock().unwrap().push((method, fault));
+        Some(fault)
+    }
+
+    /// Fails the call if the database is off or a fault (other than a lost commit reply) is due.
+    fn enter(&self, method: Method, id: Option<&MessageId>) -> Result<(), StoreError> {
+        self.check()?;
+        match self.fault(method, id) {
+            None | Some(Fault::CommitAppliedReplyLost) => Ok(()),
+            Some(fault) => Err(error_of(fault)),
+        }
+    }
+}
+
+fn error_of(fault: Fault) -> StoreError {
+    match fault {
+        Fault::Unavailable => StoreError::Unavailable("injected: connection lost".into()),
+        Fault::Refused => StoreError::Database("injected: the database refused this".into()),
+        Fault::CommitAppliedReplyLost => {
+            StoreError::Unavailable("injected: connection lost after COMMIT was sent".into())
+        }
+    }
+}
+
+/// A uniform draw in [0, 1) from a SplitMix64 state.
+fn splitmix(state: &mut u64) -> f64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    (z >> 11) as f64 / (1u64 << 53) as f64
 }
 
 #[async_trait]
@@ -63,7 +196,7 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
         self.inner.migrate().await
     }
     async fn begin(&self) -> Result<S::Tx, StoreError> {
-        self.check()?;
+        self.enter(Method::Begin, None)?;
         self.begun.fetch_add(1, Ordering::SeqCst);
         self.inner.begin().await
     }
@@ -73,7 +206,7 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
         consumer: &ConsumerName,
         id: &MessageId,
     ) -> Result<Claim, StoreError> {
-        self.check()?;
+        self.enter(Method::Claim, Some(id))?;
         self.inner.claim(tx, consumer, id).await
     }
     async fn claim_batch(
@@ -82,19 +215,19 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
         consumer: &ConsumerName,
         ids: &[MessageId],
     ) -> Result<Vec<Claim>, StoreError> {
-        self.check()?;
+        self.enter(Method::ClaimBatch, None)?;
         self.inner.claim_batch(tx, consumer, ids).await
     }
     async fn savepoint(&self, tx: &mut S::Tx) -> Result<(), StoreError> {
-        self.check()?;
+        self.enter(Method::Savepoint, None)?;
         self.inner.savepoint(tx).await
     }
     async fn rollback_to_savepoint(&self, tx: &mut S::Tx) -> Result<(), StoreError> {
-        self.check()?;
+        self.enter(Method::RollbackToSavepoint, None)?;
         self.inner.rollback_to_savepoint(tx).await
     }
     async fn release_savepoint(&self, tx: &mut S::Tx) -> Result<(), StoreError> {
-        self.check()?;
+        self.enter(Method::ReleaseSavepoint, None)?;
         self.inner.release_savepoint(tx).await
     }
     async fn release_claim(
@@ -104,7 +237,7 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
         id: &MessageId,
         failure: Option<(u32, &str)>,
     ) -> Result<(), StoreError> {
-        self.check()?;
+        self.enter(Method::ReleaseClaim, Some(id))?;
         self.inner.release_claim(tx, consumer, id, failure).await
     }
     async fn mark_dead_claimed(
@@ -115,14 +248,24 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
         attempts: u32,
         reason: &str,
     ) -> Result<(), StoreError> {
-        self.check()?;
+        self.enter(Method::MarkDeadClaimed, Some(id))?;
         self.inner
             .mark_dead_claimed(tx, consumer, id, attempts, reason)
             .await
     }
     async fn commit(&self, tx: S::Tx) -> Result<(), StoreError> {
         self.check()?;
-        self.inner.commit(tx).await
+        match self.fault(Method::Commit, None) {
+            None => self.inner.commit(tx).await,
+            Some(Fault::CommitAppliedReplyLost) => {
+                self.inner.commit(tx).await?;
+                Err(error_of(Fault::CommitAppliedReplyLost))
+            }
+            Some(fault) => {
+                let _ = self.inner.rollback(tx).await;
+                Err(error_of(fault))
+            }
+        }
     }
     async fn rollback(&self, tx: S::Tx) -> Result<(), StoreError> {
         self.inner.rollback(tx).await
@@ -134,7 +277,7 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
         attempt: u32,
         error: &str,
     ) -> Result<u32, StoreError> {
-        self.check()?;
+        self.enter(Method::RecordFailure, Some(id))?;
         self.inner
             .record_failure(consumer, id, attempt, error)
             .await
@@ -146,7 +289,7 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
         attempts: u32,
         reason: &str,
     ) -> Result<(), StoreError> {
-        self.check()?;
+        self.enter(Method::RecordDead, Some(id))?;
         self.inner.record_dead(consumer, id, attempts, reason).await
     }
     async fn revive(
@@ -155,7 +298,7 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
         consumer: &ConsumerName,
         id: &MessageId,
     ) -> Result<bool, StoreError> {
-        self.check()?;
+        self.enter(Method::Revive, Some(id))?;
         self.inner.revive(tx, consumer, id).await
     }
     async fn dead_letters(

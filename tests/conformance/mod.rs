@@ -1657,6 +1657,116 @@ pub async fn error_texts_with_nul_are_stored<D: TestDb>(brokers: &dyn BrokerFact
     assert!(row.processed && row.attempts == 1, "{row:?}");
 }
 
+/// Faults as fine as the world's, aimed at one store method: a failure whose recording loses its
+/// connection (the outage gate must reopen by itself — it once stayed shut with nobody probing),
+/// a failure the table refuses to record (the message is dead-lettered instead of retried
+/// uncounted for ever), a dead mark the table refuses (the dead letter is out: the consumer goes
+/// on), a dead mark whose connection is lost (tried again), and commits applied whose reply is
+/// lost (the retry finds them done: no second effect). The consumer never stops, and good
+/// messages published afterwards are handled.
+pub async fn store_faults_neither_wedge_nor_stop<D: TestDb>(
+    brokers: &dyn BrokerFactory,
+    db: &Arc<D>,
+) {
+    use flaky::{Fault, FlakyStore, Method};
+
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = s.name("faults");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let store = FlakyStore::new(s.store.clone());
+    let (gate, uncounted, unmarked) = (s.id(100), s.id(101), s.id(102));
+    store.inject(Method::RecordFailure, Some(&gate), Fault::Unavailable, 2);
+    store.inject(Method::MarkDeadClaimed, Some(&gate), Fault::Unavailable, 1);
+    store.inject(Method::RecordFailure, Some(&uncounted), Fault::Refused, 1);
+    store.inject(Method::RecordDead, Some(&unmarked), Fault::Refused, 1);
+    // In batch mode its mark is refused first (the batch then goes message by message).
+    store.inject(Method::MarkDeadClaimed, Some(&unmarked), Fault::Refused, 1);
+    store.inject(Method::Commit, None, Fault::CommitAppliedReplyLost, 3);
+    let script = Arc::new(Script {
+        always_fail: HashSet::from([gate.clone(), uncounted.clone()]),
+        permanent: HashSet::from([unmarked.clone()]),
+        ..Script::default()
+    });
+    let consumer = Consumer::new(
+        name.clone(),
+        s.source.clone(),
+        s.broker.transport(),
+        store.clone(),
+        s.handler(&script),
+    )
+    .concurrency(4)
+    .retry(
+        RetryPolicy::default()
+            .with_max_attempts(4)
+            .with_in_process_retries(0)
+            .with_delays(Duration::from_millis(5), Duration::from_millis(40)),
+    )
+    .reconnect_backoff(
+        RetryPolicy::default().with_delays(Duration::from_millis(10), Duration::from_millis(200)),
+    );
+    let consumer = if BATCHED.try_with(|b| *b).unwrap_or(false) {
+        consumer.batch(inbox::Batching::new(16, Duration::from_millis(5)))
+    } else {
+        consumer
+    };
+    let good: Vec<String> = (0..15).map(|i| s.id(i)).collect();
+    for (i, id) in good[..10].iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    for id in [&gate, &uncounted, &unmarked] {
+        s.publish(id, 0).await;
+    }
+    let running = Running::start(&consumer, 1);
+    s.wait_for(&[&name], 10).await;
+    let dead = s.dead_letters(3).await;
+    for (i, id) in good.iter().enumerate().skip(10) {
+        s.publish(id, i).await;
+    }
+    s.wait_for(&[&name], good.len()).await;
+    assert!(
+        running.handles.iter().all(|h| !h.is_finished()),
+        "the consumer is still running"
+    );
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &good).await;
+
+    let by_id: HashMap<&str, &OutgoingMessage> = dead
+        .iter()
+        .map(|m| (header(m, dead_letter_headers::MESSAGE_ID), m))
+        .collect();
+    let reason = |id: &str| header(by_id[id], dead_letter_headers::REASON).to_owned();
+    assert!(
+        reason(&gate).contains("gave up after 4 attempts"),
+        "{}",
+        reason(&gate)
+    );
+    assert!(
+        reason(&uncounted).contains("could not be recorded"),
+        "{}",
+        reason(&uncounted)
+    );
+    assert!(
+        reason(&unmarked).contains("can never succeed"),
+        "{}",
+        reason(&unmarked)
+    );
+    let fired = store.fired();
+    for expected in [
+        (Method::RecordFailure, Fault::Unavailable),
+        (Method::MarkDeadClaimed, Fault::Unavailable),
+        (Method::RecordFailure, Fault::Refused),
+        (Method::RecordDead, Fault::Refused),
+        (Method::Commit, Fault::CommitAppliedReplyLost),
+    ] {
+        assert!(
+            fired.contains(&expected),
+            "{expected:?} never fired: {fired:?}"
+        );
+    }
+    let row = s.db.row(&s.store, &name, &gate).await.expect("a row");
+    assert!(row.dead, "{row:?}");
+}
+
 /// Generates one `#[tokio::test]` per scenario for a (broker factory, database) pair.
 #[macro_export]
 macro_rules! conformance_suite {
@@ -1686,6 +1796,7 @@ macro_rules! conformance_suite {
                 store_outage_pauses_deliveries,
                 swallowed_database_errors_lose_nothing,
                 error_texts_with_nul_are_stored,
+                store_faults_neither_wedge_nor_stop,
             );
         }
     };
