@@ -47,7 +47,10 @@ mod postgres_claims {
     }
 
     async fn second_claim_waits_then_sees(commit_first: bool) -> Claim {
-        let store = Postgres.store().await;
+        second_claim_on(Postgres.store().await, commit_first).await
+    }
+
+    async fn second_claim_on(store: PostgresStore, commit_first: bool) -> Claim {
         let consumer = ConsumerName::new("claims").unwrap();
         let id = MessageId::new("m-1").unwrap();
         let mut first = store.begin().await.unwrap();
@@ -98,6 +101,32 @@ mod postgres_claims {
                 last_error: None
             }
         );
+    }
+
+    /// The claim sets READ COMMITTED itself: on a server (or a pool the application hands in)
+    /// whose default is SERIALIZABLE, the copy that waited sees the message done instead of
+    /// failing with a serialization error.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_claim_does_not_depend_on_the_default_isolation() {
+        let url = Postgres.store().await;
+        let url = Postgres::url_of(&url).await;
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    sqlx::Executor::execute(
+                        conn,
+                        "SET default_transaction_isolation = 'serializable'",
+                    )
+                    .await
+                    .map(drop)
+                })
+            })
+            .connect(&url)
+            .await
+            .unwrap();
+        let store = PostgresStore::new(pool);
+        assert_eq!(second_claim_on(store, true).await, Claim::Done);
     }
 
     /// Two instances get the same message at the same moment; the one that claims first holds
@@ -158,6 +187,22 @@ mod postgres_claims {
     }
 }
 
+/// SQLite commits are on disk before the ack: `synchronous = FULL` (2), not WAL's usual NORMAL,
+/// under which a power loss can undo an acked commit.
+#[tokio::test]
+async fn sqlite_commits_are_durable_before_the_ack() {
+    let path = std::env::temp_dir().join(format!("inbox-sync-{}.db", uuid::Uuid::new_v4().simple()));
+    let store = inbox::SqliteStore::connect(&format!("sqlite:{}", path.display()))
+        .await
+        .unwrap();
+    let level: i64 = sqlx::query_scalar("PRAGMA synchronous")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(level, 2, "PRAGMA synchronous");
+    std::fs::remove_file(&path).ok();
+}
+
 /// Batch mode really batches: 200 waiting messages take a handful of transactions, not 200.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn batch_mode_uses_one_transaction_per_batch() {
@@ -200,6 +245,7 @@ async fn batch_mode_uses_one_transaction_per_batch() {
     s.assert_exactly_once(&[&name], &ids).await;
     let begun = store.begun();
     println!("200 messages in {begun} transactions");
+    assert_eq!(consumer.report().batch_fallbacks, 0, "{:?}", consumer.report());
     assert!(
         begun <= 12,
         "{begun} transactions for 200 messages in batches of 50"
