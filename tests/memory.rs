@@ -191,7 +191,8 @@ mod postgres_claims {
 /// under which a power loss can undo an acked commit.
 #[tokio::test]
 async fn sqlite_commits_are_durable_before_the_ack() {
-    let path = std::env::temp_dir().join(format!("inbox-sync-{}.db", uuid::Uuid::new_v4().simple()));
+    let path =
+        std::env::temp_dir().join(format!("inbox-sync-{}.db", uuid::Uuid::new_v4().simple()));
     let store = inbox::SqliteStore::connect(&format!("sqlite:{}", path.display()))
         .await
         .unwrap();
@@ -245,7 +246,12 @@ async fn batch_mode_uses_one_transaction_per_batch() {
     s.assert_exactly_once(&[&name], &ids).await;
     let begun = store.begun();
     println!("200 messages in {begun} transactions");
-    assert_eq!(consumer.report().batch_fallbacks, 0, "{:?}", consumer.report());
+    assert_eq!(
+        consumer.report().batch_fallbacks,
+        0,
+        "{:?}",
+        consumer.report()
+    );
     assert!(
         begun <= 12,
         "{begun} transactions for 200 messages in batches of 50"

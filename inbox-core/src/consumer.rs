@@ -38,6 +38,10 @@ pub mod dead_letter_headers {
     pub const MESSAGE_ID: &str = "x-inbox-message-id";
     /// The record's coordinates, where the transport has them.
     pub const COORDINATES: &str = "x-inbox-coordinates";
+    /// On a replayed message: the one consumer it is replayed for. A replay is published to the
+    /// source, which every consumer of it reads; the others discard the copy unhandled — also
+    /// once their own row of it is gone to cleanup, when the inbox could no longer tell.
+    pub const REPLAY_FOR: &str = "x-inbox-replay-for";
 }
 
 /// Counts of what one consumer did, since it was built.
@@ -720,6 +724,15 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
         }
     }
 
+    /// A replay meant for another consumer of the same source (see
+    /// [`dead_letter_headers::REPLAY_FOR`]).
+    fn replayed_for_another(&self, delivery: &dyn Delivery) -> bool {
+        delivery
+            .headers()
+            .get(dead_letter_headers::REPLAY_FOR)
+            .is_some_and(|target| target != self.name.as_str().as_bytes())
+    }
+
     fn dead_letter_destination(&self) -> String {
         match &self.settings.dead_letter_destination {
             Some(d) => d.clone(),
@@ -755,7 +768,12 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
             let mut held_keys = std::collections::HashSet::new();
             for delivery in deliveries {
                 let id = match self.settings.id_strategy.extract(&*delivery) {
-                    Ok(id) if delivery.payload().len() <= self.settings.max_payload_bytes => id,
+                    Ok(id)
+                        if delivery.payload().len() <= self.settings.max_payload_bytes
+                            && !self.replayed_for_another(&*delivery) =>
+                    {
+                        id
+                    }
                     _ => {
                         self.process(delivery, metrics, stop).await?;
                         continue;
@@ -831,17 +849,38 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
         .await
     }
 
-    /// One after another, in order, the per-message way.
+    /// The per-message way: on an ordered transport one after another, in order; otherwise up
+    /// to `concurrency` at once, so that one that hangs (the message a crash loop is about)
+    /// does not hold the others back.
     async fn process_each(
         &self,
         deliveries: Vec<Box<dyn Delivery>>,
         metrics: &Metrics,
         stop: &CancellationToken,
     ) -> Result<(), ConsumerError> {
-        for delivery in deliveries {
-            self.process(delivery, metrics, stop).await?;
+        if self.transport.capabilities().ordered {
+            for delivery in deliveries {
+                self.process(delivery, metrics, stop).await?;
+            }
+            return Ok(());
         }
-        Ok(())
+        // A plain loop over `FuturesUnordered` rather than `buffer_unordered` with a closure,
+        // whose higher-ranked lifetimes the spawned batch task's future cannot satisfy.
+        let mut waiting = deliveries.into_iter();
+        let mut running = futures::stream::FuturesUnordered::new();
+        for delivery in waiting.by_ref().take(self.settings.concurrency) {
+            running.push(self.process(delivery, metrics, stop));
+        }
+        let mut first_error = None;
+        while let Some(result) = running.next().await {
+            if let Err(e) = result {
+                first_error.get_or_insert(e);
+            }
+            if let Some(delivery) = waiting.next() {
+                running.push(self.process(delivery, metrics, stop));
+            }
+        }
+        first_error.map_or(Ok(()), Err)
     }
 
     /// The batch's transaction: claim all, handle each claimed one in a savepoint, commit.
@@ -980,6 +1019,12 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
             }
         };
         span.record("message_id", id.as_str());
+        if self.replayed_for_another(&*delivery) {
+            self.ack(delivery).await;
+            bump(&self.counters.duplicates);
+            metrics.duplicate();
+            return Ok(Outcome::Duplicate);
+        }
         if delivery.payload().len() > self.settings.max_payload_bytes {
             let reason = format!(
                 "payload of {} bytes exceeds the limit of {} bytes",

@@ -9,8 +9,9 @@
 //!
 //! A copy consumed while the transaction is open waits on the row lock and then finds the message
 //! free to handle. If the publish fails, the transaction rolls back: the message stays dead and
-//! its dead letter stays where it was. The source fans out to every consumer of it; the others
-//! have the message done already and discard the copy.
+//! its dead letter stays where it was. The source fans out to every consumer of it: the copy
+//! carries [`REPLAY_FOR`](crate::dead_letter_headers::REPLAY_FOR), so the others discard it
+//! unhandled — even when cleanup has removed their own record of the message.
 
 use std::collections::BTreeSet;
 
@@ -145,10 +146,12 @@ pub async fn replay<S: InboxStore>(
                 others.push(letter);
                 continue;
             }
+            let mut headers = original_headers(letter.headers());
+            headers.insert(h::REPLAY_FOR, consumer.as_str().to_owned());
             let original = OutgoingMessage {
                 message_id: Some(id.clone()),
                 payload: bytes::Bytes::copy_from_slice(letter.payload()),
-                headers: original_headers(letter.headers()),
+                headers,
                 key: None,
             };
             if let Err(e) = transport.publish(&source, original).await {

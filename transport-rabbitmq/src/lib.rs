@@ -61,6 +61,11 @@ pub struct RabbitMqConfig {
     /// Delete declared queues after they have been unused this long (`x-expires`); for
     /// short-lived consumers and tests. `None`: keep them.
     pub queue_expires: Option<std::time::Duration>,
+    /// How long a publish may wait for the broker's confirm (default 30 s) before it fails as
+    /// [`TransportError::NotConfirmed`]. A broker under a memory or disk alarm blocks publishing
+    /// connections and never confirms; the dead-letter publish that waits holds its message's
+    /// inbox transaction meanwhile.
+    pub publish_timeout: std::time::Duration,
 }
 
 impl Default for RabbitMqConfig {
@@ -69,6 +74,7 @@ impl Default for RabbitMqConfig {
             queue_type: QueueType::Classic,
             connection_name: "inbox".to_owned(),
             queue_expires: None,
+            publish_timeout: std::time::Duration::from_secs(30),
         }
     }
 }
@@ -91,6 +97,12 @@ impl RabbitMqConfig {
         self.queue_expires = Some(after);
         self
     }
+
+    /// Sets `publish_timeout`.
+    pub fn publish_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.publish_timeout = timeout;
+        self
+    }
 }
 
 /// The queue a consumer reads: `<source>.<consumer>`.
@@ -98,10 +110,31 @@ pub fn queue_name(source: &str, consumer: &str) -> String {
     format!("{source}.{consumer}")
 }
 
-/// Connection state shared by subscriptions and publishes; replaced when the connection dies.
+/// Consumer names this transport can give a queue of their own. A dot would make two
+/// (source, consumer) pairs share a queue — `a.b` + `c` and `a` + `b.c` both read `a.b.c`, so
+/// each message would reach only one of the two consumers — and `dead-letter` would read the
+/// source's dead-letter queue.
+fn check_consumer_name(consumer: &str) -> Result<(), TransportError> {
+    if consumer.contains('.') {
+        return Err(TransportError::Config(format!(
+            "consumer name {consumer:?} contains '.': on RabbitMQ the queue is \"<source>.<consumer>\", and a dot would let two consumers share one queue; use '-' or '_'"
+        )));
+    }
+    if consumer == "dead-letter" {
+        return Err(TransportError::Config(
+            "consumer name \"dead-letter\" would read the source's dead-letter queue".to_owned(),
+        ));
+    }
+    Ok(())
+}
+
+/// Connection state, replaced when a connection dies. Publishing has a connection of its own
+/// (RabbitMQ blocks a publishing connection under a memory or disk alarm, and a connection that
+/// a consumer's frame kills should not take the publisher with it), subscriptions share the other.
 #[derive(Default)]
 struct Link {
     connection: Option<Arc<Connection>>,
+    publishing: Option<Arc<Connection>>,
     publisher: Option<Channel>,
     declared: HashSet<String>,
 }
@@ -124,14 +157,24 @@ impl fmt::Debug for RabbitMqTransport {
     }
 }
 
-/// The URL without its password, for logs and errors.
+/// The URL without its password, for logs and errors. Also for malformed ones: in
+/// `amqp:user:pw@host` (no `//`) everything between the scheme and the last `@` may be secret.
 pub fn redact(uri: &str) -> String {
-    match (uri.find("://"), uri.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => match uri[scheme + 3..at].split_once(':') {
-            Some((user, _)) => format!("{}{user}:***{}", &uri[..scheme + 3], &uri[at..]),
-            None => uri.to_owned(),
-        },
-        _ => uri.to_owned(),
+    let Some(at) = uri.rfind('@') else {
+        return uri.to_owned();
+    };
+    let start = match (uri.find("://"), uri.find(':')) {
+        (Some(scheme), _) => scheme + 3,
+        (None, Some(colon)) => colon + 1,
+        (None, None) => 0,
+    };
+    if at < start {
+        return uri.to_owned();
+    }
+    match uri[start..at].split_once(':') {
+        Some((user, _)) => format!("{}{user}:***{}", &uri[..start], &uri[at..]),
+        None if uri.find("://").is_some() => uri.to_owned(),
+        None => format!("{}***{}", &uri[..start], &uri[at..]),
     }
 }
 
@@ -190,6 +233,7 @@ impl RabbitMqTransport {
     /// Declares the source exchange and the consumer's queue, so that messages published from now
     /// on are kept for that consumer even before it subscribes.
     pub async fn declare(&self, source: &str, consumer: &str) -> Result<(), TransportError> {
+        check_consumer_name(consumer)?;
         let connection = self.connection().await?;
         let channel = connection.create_channel().await.map_err(broker_error)?;
         self.declare_on(&channel, source, consumer).await?;
@@ -261,20 +305,41 @@ impl RabbitMqTransport {
         {
             return Ok(Arc::clone(connection));
         }
-        *link = Link::default();
-        let properties = ConnectionProperties::default()
-            .with_connection_name(self.config.connection_name.as_str().into());
+        link.connection = None;
+        let connection = self.open("consume").await?;
+        link.connection = Some(Arc::clone(&connection));
+        Ok(connection)
+    }
+
+    /// Opens a connection. A URL that does not parse is a configuration error (permanent), said
+    /// without the URL's text: lapin's message would quote it whole, password and all.
+    async fn open(&self, role: &str) -> Result<Arc<Connection>, TransportError> {
+        if let Err(e) = self.uri.parse::<lapin::uri::AMQPUri>() {
+            let reason = if e.contains(&self.uri) {
+                "invalid AMQP URL".to_owned()
+            } else {
+                e
+            };
+            return Err(TransportError::Config(format!(
+                "{reason}: {} (expected amqp://user:password@host:port/vhost)",
+                redact(&self.uri)
+            )));
+        }
+        let properties = ConnectionProperties::default().with_connection_name(
+            format!("{} ({role})", self.config.connection_name)
+                .as_str()
+                .into(),
+        );
         let connection = Connection::connect(&self.uri, properties)
             .await
             .map_err(|e| {
-                tracing::warn!(uri = %redact(&self.uri), error = %e, "cannot connect to RabbitMQ");
-                TransportError::Disconnected(Box::new(e))
+                let text = e.to_string().replace(&self.uri, &redact(&self.uri));
+                tracing::warn!(uri = %redact(&self.uri), error = %text, "cannot connect to RabbitMQ");
+                TransportError::Disconnected(text.into())
             })?;
         self.connections.fetch_add(1, Ordering::SeqCst);
-        tracing::info!(uri = %redact(&self.uri), "connected to RabbitMQ");
-        let connection = Arc::new(connection);
-        link.connection = Some(Arc::clone(&connection));
-        Ok(connection)
+        tracing::info!(uri = %redact(&self.uri), role, "connected to RabbitMQ");
+        Ok(Arc::new(connection))
     }
 
     async fn declare_exchange(&self, channel: &Channel, name: &str) -> Result<(), TransportError> {
@@ -341,15 +406,23 @@ impl RabbitMqTransport {
             .await
     }
 
-    /// The confirming publisher channel, and whether `destination` was declared on it.
+    /// The confirming publisher channel, on the publishing connection.
     async fn publisher(&self) -> Result<Channel, TransportError> {
-        let connection = self.connection().await?;
         let mut link = self.link.lock().await;
         if let Some(channel) = &link.publisher
             && channel.status().connected()
         {
             return Ok(channel.clone());
         }
+        let connection = match &link.publishing {
+            Some(connection) if connection.status().connected() => Arc::clone(connection),
+            _ => {
+                link.publishing = None;
+                let connection = self.open("publish").await?;
+                link.publishing = Some(Arc::clone(&connection));
+                connection
+            }
+        };
         let channel = connection.create_channel().await.map_err(broker_error)?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
@@ -389,21 +462,31 @@ impl RabbitMqTransport {
             }
         }
         let properties = properties.with_headers(headers);
-        let confirm = channel
-            .basic_publish(
-                short(destination)?,
-                "".into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..BasicPublishOptions::default()
-                },
-                &message.payload,
-                properties,
-            )
+        let publish = async {
+            channel
+                .basic_publish(
+                    short(destination)?,
+                    "".into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..BasicPublishOptions::default()
+                    },
+                    &message.payload,
+                    properties,
+                )
+                .await
+                .map_err(broker_error)?
+                .await
+                .map_err(broker_error)
+        };
+        let timeout = self.config.publish_timeout;
+        let confirm = tokio::time::timeout(timeout, publish)
             .await
-            .map_err(broker_error)?
-            .await
-            .map_err(broker_error)?;
+            .map_err(|_| {
+                TransportError::NotConfirmed(
+                    format!("no confirm for the publish to {destination:?} within {timeout:?} (a broker resource alarm blocks publishers)").into(),
+                )
+            })??;
         match confirm {
             Confirmation::Ack(None) => Ok(()),
             Confirmation::Ack(Some(_returned)) => Err(TransportError::Refused(
@@ -455,6 +538,15 @@ fn amqp_to_bytes(value: &AMQPValue) -> Vec<u8> {
     }
 }
 
+/// Headers the broker sets on a delivery, about this delivery: not part of the message, so not
+/// handed to the handler nor carried into a dead letter (a replayed letter with a stale
+/// `x-delivery-count` would be dead-lettered again at once on a quorum queue).
+fn broker_owned(name: &str) -> bool {
+    matches!(name, "x-delivery-count" | "x-acquired-count" | "x-death")
+        || name.starts_with("x-first-death-")
+        || name.starts_with("x-last-death-")
+}
+
 fn amqp_to_u32(value: &AMQPValue) -> Option<u32> {
     std::str::from_utf8(&amqp_to_bytes(value))
         .ok()?
@@ -480,11 +572,12 @@ impl Transport for RabbitMqTransport {
         &self,
         subscription: &Subscription,
     ) -> Result<DeliveryStream, TransportError> {
+        let consumer = subscription.consumer.as_str();
+        check_consumer_name(consumer)?;
         let connection = self.connection().await?;
         let guard = StreamGuard::new(connection.create_channel().await.map_err(broker_error)?);
         let channel = &guard.0.channel;
         let source = &subscription.source;
-        let consumer = subscription.consumer.as_str();
         self.declare_on(channel, source, consumer).await?;
         if let Some(dead_letter) = &subscription.dead_letter {
             self.declare_exchange(channel, dead_letter).await?;
@@ -567,11 +660,21 @@ impl RabbitMqTransport {
             "consuming from RabbitMQ"
         );
         let unsettled = Arc::clone(&self.unsettled);
+        let counts = self.config.queue_type == QueueType::Quorum;
+        let queue = queue.to_owned();
         let stream = deliveries.map(move |next| match next {
             Ok(delivery) => Ok(
-                Box::new(RabbitDelivery::new(delivery, &guard.0, &unsettled)) as Box<dyn Delivery>,
+                Box::new(RabbitDelivery::new(delivery, &guard.0, &unsettled, counts))
+                    as Box<dyn Delivery>,
             ),
-            Err(e) => Err(broker_error(e)),
+            // The channel of an established consumer was closed — by the connection dying, or by
+            // the server: `consumer_timeout` (406) after deliveries stayed unacked through a long
+            // database outage, a deleted queue (404). Subscribing again either works or reports
+            // the refusal then; so it is never a reason for the consumer to stop.
+            Err(e) => {
+                tracing::warn!(queue = %queue, error = %e, "RabbitMQ consumer channel closed");
+                Err(TransportError::Disconnected(Box::new(e)))
+            }
         });
         Ok(Box::pin(stream))
     }
@@ -679,14 +782,26 @@ impl RabbitDelivery {
         delivery: lapin::message::Delivery,
         subscription: &Arc<ConsumerChannel>,
         unsettled: &Arc<AtomicUsize>,
+        counts_deliveries: bool,
     ) -> Self {
         let table = delivery.properties.headers().clone().unwrap_or_default();
-        let headers = from_field_table(&table);
-        // Quorum queues count earlier deliveries in x-delivery-count.
-        let delivery_count = match table.inner().get("x-delivery-count").and_then(amqp_to_u32) {
-            Some(earlier) => Some(earlier.saturating_add(1)),
-            None if !delivery.redelivered => Some(1),
-            None => None,
+        let headers = table
+            .inner()
+            .iter()
+            .filter(|(name, _)| !broker_owned(name.as_str()))
+            .map(|(name, value)| (name.as_str().to_owned(), amqp_to_bytes(value)))
+            .collect();
+        // Quorum queues count earlier deliveries in x-delivery-count. On a classic queue the
+        // header can only be a publisher's (or a stale copy in a replayed dead letter): not
+        // trusted.
+        let delivery_count = if counts_deliveries {
+            match table.inner().get("x-delivery-count").and_then(amqp_to_u32) {
+                Some(earlier) => Some(earlier.saturating_add(1)),
+                None if !delivery.redelivered => Some(1),
+                None => None,
+            }
+        } else {
+            None
         };
         unsettled.fetch_add(1, Ordering::SeqCst);
         subscription.outstanding.fetch_add(1, Ordering::SeqCst);
@@ -831,6 +946,38 @@ mod tests {
             "amqp://guest:***@host:5672/%2f"
         );
         assert_eq!(redact("amqp://host:5672"), "amqp://host:5672");
+        // Malformed (no `//`): what stands between the scheme and the last `@` is hidden.
+        assert_eq!(
+            redact("amqp:guest:s3cret@rabbit/%2f"),
+            "amqp:guest:***@rabbit/%2f"
+        );
+        assert_eq!(redact("amqp:s3cret@rabbit"), "amqp:***@rabbit");
+        assert_eq!(
+            redact("amqp://gu:est:s3c@ret@host/%2f"),
+            "amqp://gu:***@host/%2f"
+        );
+    }
+
+    #[test]
+    fn consumer_names_that_would_share_a_queue_are_refused() {
+        assert!(check_consumer_name("carrier-assignment").is_ok());
+        assert!(check_consumer_name("eu.notification").is_err());
+        assert!(check_consumer_name("dead-letter").is_err());
+    }
+
+    #[test]
+    fn broker_headers_are_not_the_message() {
+        for name in [
+            "x-delivery-count",
+            "x-death",
+            "x-first-death-reason",
+            "x-acquired-count",
+        ] {
+            assert!(broker_owned(name), "{name}");
+        }
+        for name in ["message-id", "x-inbox-reason", "traceparent"] {
+            assert!(!broker_owned(name), "{name}");
+        }
     }
 
     #[test]
