@@ -823,7 +823,7 @@ mod kafka {
                     let mut lag = 0;
                     for consumer in ["notification", "carrier-assignment"] {
                         lag += transport
-                            .lag(&source, consumer)
+                            .consumer_lag(&source, consumer)
                             .await
                             .map_err(|e| e.to_string())?;
                     }

@@ -72,7 +72,7 @@ sys.exit(1 if left else 0)
         let mut lag = 0;
         for group in ["notification", "carrier-assignment"] {
             lag += transport
-                .lag(&source, group)
+                .consumer_lag(&source, group)
                 .await
                 .map_err(|e| e.to_string())?;
         }

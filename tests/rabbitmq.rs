@@ -265,3 +265,123 @@ async fn another_clients_messages_are_handled_once_by_the_demo() {
     println!("{stderr}");
     DemoConsumer::assert_exactly_once(&database, &stderr, events as u64, duplicated as u64).await;
 }
+
+/// Sets RabbitMQ's `consumer_timeout` (and the channel tick that checks it) for the channels
+/// opened from now on, and puts the defaults back when dropped. It is server-wide (RabbitMQ 3.10
+/// has no per-queue `x-consumer-timeout`; 3.12 does): the test that uses it runs alone.
+struct ConsumerTimeout;
+
+impl ConsumerTimeout {
+    async fn set(timeout_ms: u64, tick_ms: u64) -> Self {
+        rabbitmqctl(&[
+            "eval",
+            &format!("application:set_env(rabbit, consumer_timeout, {timeout_ms})."),
+        ])
+        .await;
+        rabbitmqctl(&[
+            "eval",
+            &format!("application:set_env(rabbit, channel_tick_interval, {tick_ms})."),
+        ])
+        .await;
+        Self
+    }
+}
+
+impl Drop for ConsumerTimeout {
+    fn drop(&mut self) {
+        for setting in [
+            "application:set_env(rabbit, consumer_timeout, 1800000).",
+            "application:set_env(rabbit, channel_tick_interval, 60000).",
+        ] {
+            let _ = std::process::Command::new("rabbitmqctl")
+                .args(["eval", setting])
+                .output();
+        }
+    }
+}
+
+/// RabbitMQ closes a consumer's channel (406 PRECONDITION_FAILED) when a delivery stays unacked
+/// longer than `consumer_timeout` — as every in-flight delivery does through a database outage
+/// longer than that (30 min by default). The consumer must subscribe again, not stop: the
+/// outage ends, every message is handled once, and `run` is still running. Changes a
+/// server-wide setting, so it runs alone (the `_alone` suffix: scripts/test runs those last, one
+/// at a time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn consumer_timeout_during_a_database_outage_alone() {
+    use conformance::flaky::FlakyStore;
+    use inbox::{Consumer, RetryPolicy};
+    use std::time::Duration;
+
+    conformance::init_tracing();
+    let _timeout = ConsumerTimeout::set(1500, 250).await;
+    let db = Arc::new(Postgres);
+    let s = Scenario::new(&RabbitMq::new(QueueType::Classic), &db, Faults::none()).await;
+    let name = s.name("timeout");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let store = FlakyStore::new(s.store.clone());
+    let consumer = Consumer::new(
+        name.clone(),
+        s.source.clone(),
+        s.broker.transport(),
+        store.clone(),
+        s.handler(&Arc::new(Script::default())),
+    )
+    .concurrency(4)
+    .reconnect_backoff(
+        RetryPolicy::default().with_delays(Duration::from_millis(10), Duration::from_millis(200)),
+    );
+    let ids: Vec<String> = (0..40).map(|i| s.id(i)).collect();
+    let running = Running::start(&consumer, 1);
+    for (i, id) in ids[..10].iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    s.wait_for(&[&name], 10).await;
+    store.set_down(true);
+    for (i, id) in ids.iter().enumerate().skip(10) {
+        s.publish(id, i).await;
+    }
+    // Deliveries wait unacked in the outage gate well past the consumer timeout.
+    eventually("deliveries held through the outage", || async {
+        match store.refused() {
+            n if n >= 4 => Ok(()),
+            n => Err(format!("{n} refused calls")),
+        }
+    })
+    .await;
+    let queue = inbox::rabbitmq::queue_name(&s.source, name.as_str());
+    eventually(
+        "the broker closed the consumer's channel (consumer timeout)",
+        || async {
+            let listed = rabbitmqctl(&[
+                "list_queues",
+                "-q",
+                "--no-table-headers",
+                "name",
+                "consumers",
+            ])
+            .await;
+            let consumers = listed
+                .lines()
+                .find_map(|line| line.strip_prefix(&format!("{queue}\t")))
+                .map(str::trim);
+            match consumers {
+                Some("0") => Ok(()),
+                other => Err(format!("consumers on {queue}: {other:?}")),
+            }
+        },
+    )
+    .await;
+    store.set_down(false);
+    s.wait_for(&[&name], ids.len()).await;
+    assert!(
+        running.handles.iter().all(|h| !h.is_finished()),
+        "the consumer is still running"
+    );
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+    let report = consumer.report();
+    assert!(
+        report.ack_failures > 0,
+        "the broker closed the channel under the held deliveries (their acks were lost): {report:?}"
+    );
+}

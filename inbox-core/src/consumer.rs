@@ -579,6 +579,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
                 fatal.get_or_insert(e);
             }
         }
+        inner.transport.drained().await;
         match fatal {
             Some(e) => Err(e),
             None => Ok(self.report()),

@@ -192,4 +192,9 @@ pub trait Transport: Send + Sync + fmt::Debug {
         let _ = destination;
         Err(TransportError::Unsupported("reading dead letters"))
     }
+    /// Waits until subscriptions whose streams were dropped are done with the broker (Kafka: the
+    /// last stored offsets committed, the group left). [`Consumer::run`](crate::Consumer::run)
+    /// awaits it before it returns, so that an application exiting right after `run` loses
+    /// nothing it had settled.
+    async fn drained(&self) {}
 }

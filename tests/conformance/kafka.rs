@@ -50,7 +50,7 @@ impl TestBroker for KafkaTestBroker {
         for consumer in consumers {
             let lag = self
                 .transport
-                .lag(source, consumer.as_str())
+                .consumer_lag(source, consumer.as_str())
                 .await
                 .map_err(|e| e.to_string())?;
             if lag > 0 {

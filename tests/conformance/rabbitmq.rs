@@ -1,6 +1,6 @@
 //! RabbitMQ as a conformance-suite broker: the server of `AMQP_URL`.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use inbox::memory::Faults;
@@ -31,7 +31,6 @@ impl RabbitMq {
 
 pub struct RabbitTestBroker {
     pub transport: Arc<RabbitMqTransport>,
-    taken: Mutex<Vec<(String, OutgoingMessage)>>,
 }
 
 #[async_trait]
@@ -76,20 +75,14 @@ impl TestBroker for RabbitTestBroker {
         self.transport.connections_opened()
     }
     async fn published(&self, destination: &str) -> Vec<OutgoingMessage> {
-        // Dead-letter destinations have a queue of their own name; take what arrived since.
-        // A queue not declared yet (no consumer subscribed so far) holds nothing.
-        let new = match self.transport.take_messages(destination, 10_000).await {
-            Ok(new) => new,
+        // Dead-letter destinations have a queue of their own name: read it, leaving the letters
+        // there for a replay. A queue not declared yet (no consumer subscribed so far) holds
+        // nothing.
+        match self.transport.peek_messages(destination, 10_000).await {
+            Ok(letters) => letters,
             Err(inbox::TransportError::Refused(_)) => Vec::new(),
             Err(e) => panic!("read {destination}: {e}"),
-        };
-        let mut taken = self.taken.lock().unwrap();
-        taken.extend(new.into_iter().map(|m| (destination.to_owned(), m)));
-        taken
-            .iter()
-            .filter(|(d, _)| d == destination)
-            .map(|(_, m)| m.clone())
-            .collect()
+        }
     }
 }
 
@@ -114,7 +107,6 @@ impl RabbitMq {
             .expect("connect to RabbitMQ at AMQP_URL (scripts/test starts it; see the README)");
         RabbitTestBroker {
             transport: Arc::new(transport),
-            taken: Mutex::default(),
         }
     }
 }

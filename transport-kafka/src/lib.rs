@@ -1,7 +1,10 @@
 //! The Kafka transport of `inbox`, on rdkafka (bundled librdkafka).
 //!
-//! - A source is a topic; a consumer name is a consumer group, so every consumer gets every
-//!   record and the instances of one consumer share the partitions.
+//! - A source is a topic; each consumer of it is a consumer group, [`group_id`]
+//!   `<source>.<consumer>`, so every consumer gets every record and the instances of one consumer
+//!   share the partitions. (The group is per source: a consumer name used for two sources, or by
+//!   two services, must not share one group across topics, where a rebalance of one would
+//!   disturb the other.)
 //! - Offsets: auto commit of **stored** offsets only (`enable.auto.offset.store=false`). An offset
 //!   is stored only after the inbox transaction of its record committed (the ack), and only
 //!   contiguously per partition: the committed offset never passes a record that is not done or
@@ -219,6 +222,14 @@ impl ConsumerContext for Context {
 
 type KafkaConsumer = StreamConsumer<Context>;
 
+/// The record size limit of the dead-letter topics this transport creates, and of its producer.
+const DEAD_LETTER_MAX_BYTES: usize = 4 * 1024 * 1024;
+
+/// The consumer group of `consumer` on `source`: `<source>.<consumer>`.
+pub fn group_id(source: &str, consumer: &str) -> String {
+    format!("{source}.{consumer}")
+}
+
 /// A Kafka(-API) cluster.
 pub struct KafkaTransport {
     config: KafkaConfig,
@@ -228,6 +239,8 @@ pub struct KafkaTransport {
     unsettled: Arc<AtomicUsize>,
     /// Consumers of this transport still leaving their group.
     closing: Arc<tokio::sync::watch::Sender<usize>>,
+    /// Poll loops whose delivery streams were dropped: `true` once they committed and closed.
+    ending: Arc<Mutex<Vec<tokio::sync::watch::Receiver<bool>>>>,
 }
 
 impl fmt::Debug for KafkaTransport {
@@ -243,6 +256,9 @@ impl KafkaTransport {
     pub fn new(config: KafkaConfig) -> Result<Self, TransportError> {
         let producer: FutureProducer = config
             .client()
+            // Room for a dead letter of the largest message a broker takes by default (1 MiB)
+            // plus its headers: the client's own default (1,000,000 bytes) is smaller than that.
+            .set("message.max.bytes", DEAD_LETTER_MAX_BYTES.to_string())
             .set("enable.idempotence", "true")
             .set("acks", "all")
             .set("message.timeout.ms", "30000")
@@ -259,6 +275,7 @@ impl KafkaTransport {
             created: tokio::sync::Mutex::default(),
             unsettled: Arc::default(),
             closing: Arc::new(tokio::sync::watch::Sender::new(0)),
+            ending: Arc::default(),
         })
     }
 
@@ -269,6 +286,18 @@ impl KafkaTransport {
 
     /// Creates the topics that do not exist yet (the broker may not create them on first use).
     pub async fn create_topics(&self, names: &[&str]) -> Result<(), TransportError> {
+        self.create(names, None).await
+    }
+
+    /// Creates topics, with a record size limit of their own where given (dead-letter topics:
+    /// a dead letter is its message plus the `x-inbox-*` headers, so it must be allowed to be a
+    /// little larger than what the source accepts, or it could never be published).
+    async fn create(
+        &self,
+        names: &[&str],
+        max_message_bytes: Option<usize>,
+    ) -> Result<(), TransportError> {
+        let max_message_bytes = max_message_bytes.map(|n| n.to_string());
         let mut created = self.created.lock().await;
         let missing: Vec<&str> = names
             .iter()
@@ -281,11 +310,15 @@ impl KafkaTransport {
         let topics: Vec<NewTopic<'_>> = missing
             .iter()
             .map(|name| {
-                NewTopic::new(
+                let topic = NewTopic::new(
                     name,
                     self.config.partitions,
                     TopicReplication::Fixed(self.config.replication),
-                )
+                );
+                match &max_message_bytes {
+                    Some(n) => topic.set("max.message.bytes", n),
+                    None => topic,
+                }
             })
             .collect();
         let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
@@ -310,6 +343,11 @@ impl KafkaTransport {
             }
         }
         Ok(())
+    }
+
+    /// [`lag`](Self::lag) of `consumer`'s group on `source` (see [`group_id`]).
+    pub async fn consumer_lag(&self, source: &str, consumer: &str) -> Result<i64, TransportError> {
+        self.lag(source, &group_id(source, consumer)).await
     }
 
     /// How many records of `topic` the consumer group `group` has not committed yet (records
@@ -470,11 +508,18 @@ enum Settlement {
 
 type Item = Result<Box<dyn Delivery>, TransportError>;
 
-/// A subscription's poll loop, the consumer's only owner. It polls on its own, so that
-/// rebalances are served while handlers run (a poll interval exceeded — handlers slower than
-/// `max.poll.interval.ms` — comes out as a stream error); it stores the offsets that settlements
-/// free; and after the stream is dropped it waits for the deliveries still out, commits, and
-/// closes the consumer off the async threads.
+/// A subscription's poll loop, the consumer's only owner. It polls on its own, all the time, so
+/// that rebalances are served while handlers run: when the engine does not take deliveries as
+/// fast as they come (slow handlers, a database outage), the records already fetched wait here
+/// and the assigned partitions are paused — polled, not fetched — until the backlog is taken. It
+/// stores the offsets that settlements free; and after the stream is dropped it waits for the
+/// deliveries still out, commits, and closes the consumer off the async threads.
+///
+/// Errors the client reports and recovers from by itself (a broker restarting, a connection
+/// refused, a rebalance in progress) are logged and polling goes on with the same consumer and
+/// group membership: ending the stream on them would make every instance leave and rejoin the
+/// group at each broker blip. Only a fatal client error ends the stream (the engine subscribes
+/// again with a fresh consumer), and an authorization error ends it for good.
 async fn poll(
     consumer: KafkaConsumer,
     tracker: Arc<Tracker>,
@@ -485,8 +530,13 @@ async fn poll(
 ) {
     let (settle, mut settlements) = mpsc::unbounded_channel();
     let mut outstanding = 0usize;
-    let mut pending: Option<Item> = None;
+    let mut backlog: VecDeque<Item> = VecDeque::new();
+    let mut paused = false;
     let mut streaming = true;
+    // Once an error that ends the stream is queued, nothing more is read.
+    let mut ending = false;
+    let mut client_errors = 0u64;
+    let mut last_error_log: Option<std::time::Instant> = None;
     while streaming || outstanding > 0 {
         tokio::select! {
             Some(settlement) = settlements.recv() => {
@@ -495,21 +545,24 @@ async fn poll(
                     store(&consumer, &tracker, &topic, partition, offset, generation);
                 }
             }
-            permit = sender.reserve(), if streaming && pending.is_some() => match permit {
+            permit = sender.reserve(), if streaming && !backlog.is_empty() => match permit {
                 Ok(permit) => {
-                    let item = pending.take().expect("checked");
+                    let item = backlog.pop_front().expect("checked");
                     // An error ends this stream: the consumer subscribes again with a new one.
                     streaming = item.is_ok();
                     permit.send(item);
+                    if backlog.is_empty() && paused {
+                        paused = !set_paused(&consumer, false);
+                    }
                 }
                 Err(_) => {
                     streaming = false;
-                    pending = None;
+                    backlog.clear();
                 }
             },
-            () = sender.closed(), if streaming && pending.is_none() => streaming = false,
-            next = consumer.recv(), if streaming && pending.is_none() => {
-                pending = Some(match next {
+            () = sender.closed(), if streaming && backlog.is_empty() => streaming = false,
+            next = consumer.recv(), if streaming && !ending => {
+                let item = match next {
                     Ok(message) => {
                         let generation = tracker.delivered(message.topic(), message.partition(), message.offset());
                         outstanding += 1;
@@ -527,11 +580,40 @@ async fn poll(
                             unsettled: Arc::clone(&unsettled),
                         }) as Box<dyn Delivery>)
                     }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "kafka consumer error");
-                        Err(transient(e))
+                    Err(e) => match consumer_error(e) {
+                        ClientError::Recovers(e) => {
+                            client_errors += 1;
+                            if last_error_log.is_none_or(|at| at.elapsed() >= Duration::from_secs(10)) {
+                                tracing::warn!(error = %e, errors = client_errors, "kafka consumer error; the client recovers by itself, polling on");
+                                last_error_log = Some(std::time::Instant::now());
+                                client_errors = 0;
+                            }
+                            continue;
+                        }
+                        ClientError::Ends(e) => {
+                            tracing::warn!(error = %e, "kafka consumer failed");
+                            ending = true;
+                            Err(e)
+                        }
+                    },
+                };
+                if backlog.is_empty() {
+                    match sender.try_reserve() {
+                        Ok(permit) => {
+                            streaming = item.is_ok();
+                            permit.send(item);
+                            continue;
+                        }
+                        Err(mpsc::error::TrySendError::Closed(())) => {
+                            streaming = false;
+                            continue;
+                        }
+                        Err(mpsc::error::TrySendError::Full(())) => {}
                     }
-                });
+                }
+                backlog.push_back(item);
+                // The engine is busy: stop fetching (a newly assigned partition too), keep polling.
+                paused = set_paused(&consumer, true);
             }
         }
     }
@@ -545,6 +627,56 @@ async fn poll(
     });
     let _ = closed.await;
     closing.send_modify(|n| *n -= 1);
+}
+
+/// Pauses (or resumes) fetching for the whole current assignment. Paused partitions resume at
+/// the position after the last record handed to us, so no record is skipped. Returns whether it
+/// took effect.
+fn set_paused(consumer: &KafkaConsumer, pause: bool) -> bool {
+    let assignment = match consumer.assignment() {
+        Ok(assignment) => assignment,
+        Err(e) => {
+            tracing::debug!(error = %e, "no assignment to pause or resume");
+            return false;
+        }
+    };
+    let result = if pause {
+        consumer.pause(&assignment)
+    } else {
+        consumer.resume(&assignment)
+    };
+    match result {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::debug!(error = %e, pause, "pause/resume failed");
+            false
+        }
+    }
+}
+
+/// What a consumer error means for the subscription.
+enum ClientError {
+    /// Logged; the client recovers by itself (reconnects, rejoins the group).
+    Recovers(KafkaError),
+    /// Ends the stream with this error: transient (a fresh consumer may work) or permanent.
+    Ends(TransportError),
+}
+
+fn consumer_error(error: KafkaError) -> ClientError {
+    match error.rdkafka_error_code() {
+        Some(
+            RDKafkaErrorCode::GroupAuthorizationFailed
+            | RDKafkaErrorCode::TopicAuthorizationFailed
+            | RDKafkaErrorCode::ClusterAuthorizationFailed
+            | RDKafkaErrorCode::SaslAuthenticationFailed,
+        ) => ClientError::Ends(TransportError::Refused(Box::new(error))),
+        _ if matches!(error, KafkaError::MessageConsumptionFatal(_))
+            || error.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal) =>
+        {
+            ClientError::Ends(transient(error))
+        }
+        _ => ClientError::Recovers(error),
+    }
 }
 
 /// Stores the offset a done record frees, if the contiguous done prefix of its partition grew.
@@ -601,6 +733,22 @@ impl Transport for KafkaTransport {
             .with_ordered(self.config.ordered)
     }
 
+    /// Waits (up to 30 s) for the consumers of ended subscriptions to commit their last stored
+    /// offsets and leave their groups.
+    async fn drained(&self) {
+        let ended: Vec<_> =
+            std::mem::take(&mut *self.ending.lock().unwrap_or_else(|p| p.into_inner()));
+        let all = futures::future::join_all(ended.into_iter().map(|mut closed| async move {
+            let _ = closed.wait_for(|closed| *closed).await;
+        }));
+        if tokio::time::timeout(Duration::from_secs(30), all)
+            .await
+            .is_err()
+        {
+            tracing::warn!("kafka consumers did not finish closing within 30 s");
+        }
+    }
+
     async fn declare(&self, subscription: &Subscription) -> Result<(), TransportError> {
         // A new group reads from the earliest offset, so the topic is all it takes.
         self.create_topics(&[&subscription.source]).await
@@ -610,33 +758,43 @@ impl Transport for KafkaTransport {
         &self,
         subscription: &Subscription,
     ) -> Result<DeliveryStream, TransportError> {
-        let mut topics = vec![subscription.source.as_str()];
+        self.create_topics(&[&subscription.source]).await?;
         if let Some(dead_letter) = &subscription.dead_letter {
-            topics.push(dead_letter);
+            self.create(&[dead_letter], Some(DEAD_LETTER_MAX_BYTES))
+                .await?;
         }
-        self.create_topics(&topics).await?;
         // A consumer of this process that is still leaving the group would make the group
         // rebalance again as soon as this one joins (and some brokers wait for it): let it go first.
         let mut closing = self.closing.subscribe();
         let _ = tokio::time::timeout(Duration::from_secs(30), closing.wait_for(|n| *n == 0)).await;
         let tracker = Arc::new(Tracker::default());
-        let consumer = self.consumer(subscription.consumer.as_str(), &tracker)?;
+        let group = group_id(&subscription.source, subscription.consumer.as_str());
+        let consumer = self.consumer(&group, &tracker)?;
         consumer
             .subscribe(&[&subscription.source])
             .map_err(transient)?;
         let (sender, receiver) = mpsc::channel(usize::from(subscription.prefetch.max(1)));
-        tokio::spawn(poll(
+        let (closed, closed_rx) = tokio::sync::watch::channel(false);
+        let polling = poll(
             consumer,
             tracker,
             sender,
             Arc::clone(&self.unsettled),
             Arc::clone(&self.closing),
             self.config.ordered,
-        ));
-        Ok(Box::pin(futures::stream::unfold(
-            receiver,
-            |mut receiver| async move { receiver.recv().await.map(|item| (item, receiver)) },
-        )))
+        );
+        tokio::spawn(async move {
+            polling.await;
+            closed.send_replace(true);
+        });
+        Ok(Box::pin(Ended {
+            deliveries: Box::pin(futures::stream::unfold(
+                receiver,
+                |mut receiver| async move { receiver.recv().await.map(|item| (item, receiver)) },
+            )),
+            closed: Some(closed_rx),
+            ending: Arc::clone(&self.ending),
+        }))
     }
 
     /// The whole dead-letter topic, up to its end at the call, read without joining a group.
@@ -682,6 +840,36 @@ impl Transport for KafkaTransport {
             .await
             .map(drop)
             .map_err(|(e, _)| publish_error(e))
+    }
+}
+
+/// A subscription's delivery stream. Dropped, it leaves its poll loop's end to be awaited by
+/// [`Transport::drained`].
+struct Ended {
+    deliveries: DeliveryStream,
+    closed: Option<tokio::sync::watch::Receiver<bool>>,
+    ending: Arc<Mutex<Vec<tokio::sync::watch::Receiver<bool>>>>,
+}
+
+impl futures::Stream for Ended {
+    type Item = Item;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Item>> {
+        self.deliveries.as_mut().poll_next(cx)
+    }
+}
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        if let Some(closed) = self.closed.take() {
+            self.ending
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(closed);
+        }
     }
 }
 

@@ -266,6 +266,25 @@ impl RabbitMqTransport {
         queue: &str,
         max: usize,
     ) -> Result<Vec<OutgoingMessage>, TransportError> {
+        self.get_messages(queue, max, true).await
+    }
+
+    /// Reads up to `max` messages of `queue` and leaves them there (they go back to the queue,
+    /// marked redelivered, when the reading channel closes): for looking at a dead-letter queue.
+    pub async fn peek_messages(
+        &self,
+        queue: &str,
+        max: usize,
+    ) -> Result<Vec<OutgoingMessage>, TransportError> {
+        self.get_messages(queue, max, false).await
+    }
+
+    async fn get_messages(
+        &self,
+        queue: &str,
+        max: usize,
+        remove: bool,
+    ) -> Result<Vec<OutgoingMessage>, TransportError> {
         let connection = self.connection().await?;
         let channel = connection.create_channel().await.map_err(broker_error)?;
         let mut taken = Vec::new();
@@ -273,7 +292,7 @@ impl RabbitMqTransport {
             let Some(message) = channel
                 .basic_get(
                     short(queue)?,
-                    lapin::options::BasicGetOptions { no_ack: true },
+                    lapin::options::BasicGetOptions { no_ack: remove },
                 )
                 .await
                 .map_err(broker_error)?
@@ -294,7 +313,8 @@ impl RabbitMqTransport {
                 key: None,
             });
         }
-        let _ = channel.close(200, "taken".into()).await;
+        // Closing the channel returns what was read without removing it.
+        let _ = channel.close(200, "read".into()).await;
         Ok(taken)
     }
 
