@@ -383,3 +383,47 @@ async fn dead_replay_through_kafka() {
     conformance::init_tracing();
     replay_through(&conformance::kafka::Kafka { ordered: true }, "kafka").await;
 }
+
+/// A malformed AMQP URL (`amqp:user:password@host`, the `//` missing) is refused at once, on one
+/// line, without its password — lapin's own error would quote the URL whole, and as a lost
+/// connection it would be retried (and logged) for ever.
+#[tokio::test]
+async fn a_malformed_amqp_url_is_refused_without_its_password() {
+    let store = PostgresStore::connect(&Postgres::fresh_url().await, 2)
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    // One dead row, so that the replay reaches the broker.
+    store
+        .pool()
+        .execute(
+            "INSERT INTO inbox_messages (consumer, message_id, attempts, last_error, dead_lettered_at)
+             VALUES ('c', 'm-1', 1, 'broken', now())",
+        )
+        .await
+        .unwrap();
+    let url = Postgres::url_of(&store).await;
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_inbox"))
+        .args([
+            "dead",
+            "replay",
+            "m-1",
+            "--consumer",
+            "c",
+            "--source",
+            "parcels",
+            "--transport",
+            "rabbitmq",
+        ])
+        .env("DATABASE_URL", &url)
+        .env("AMQP_URL", "amqp:guest:s3cret@127.0.0.1/%2f")
+        .env("NO_COLOR", "1")
+        .output()
+        .await
+        .unwrap();
+    let text = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert_eq!(text.trim().lines().count(), 1, "{text}");
+    assert!(!text.contains("s3cret"), "the password leaked: {text}");
+    assert!(text.contains("invalid transport configuration"), "{text}");
+}

@@ -257,3 +257,97 @@ async fn batch_mode_uses_one_transaction_per_batch() {
         "{begun} transactions for 200 messages in batches of 50"
     );
 }
+
+/// `handler_timeout` abandons a handler stuck in the database, but the rollback after it would
+/// wait for the statement it left running — here a lock wait that never ends. With the store's
+/// statement timeout the statement is cancelled, the attempt fails, and the message goes the
+/// failure way (dead-lettered after its attempts) while the lock is still held; the other
+/// messages are handled meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_statement_stuck_on_a_lock_is_cancelled() {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use async_trait::async_trait;
+    use conformance::stores::Postgres;
+    use conformance::{Running, Scenario, TestDb};
+    use inbox::memory::Faults;
+    use inbox::{Consumer, Handler, HandlerError, Message, PgTx, RetryPolicy};
+    use sqlx::Executor;
+
+    struct Locking;
+
+    #[async_trait]
+    impl Handler<PgTx> for Locking {
+        async fn handle(&self, message: &Message<'_>, tx: &mut PgTx) -> Result<(), HandlerError> {
+            if message.id.as_str().ends_with("-locked") {
+                sqlx::query("SELECT id FROM test_locks WHERE id = 1 FOR UPDATE")
+                    .execute(&mut **tx)
+                    .await?;
+            }
+            sqlx::query("INSERT INTO test_done (id) VALUES ($1)")
+                .bind(message.id.as_str())
+                .execute(&mut **tx)
+                .await?;
+            Ok(())
+        }
+    }
+
+    conformance::init_tracing();
+    let db = Arc::new(Postgres);
+    let s = Scenario::new(&Memory, &db, Faults::none()).await;
+    let pool = s.store.pool().clone();
+    pool.execute("CREATE TABLE test_locks (id int PRIMARY KEY); INSERT INTO test_locks VALUES (1); CREATE TABLE test_done (id text PRIMARY KEY)")
+        .await
+        .unwrap();
+    // Held until the end of the test.
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT id FROM test_locks WHERE id = 1 FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+
+    let name = s.name("locked");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let store = s
+        .store
+        .clone()
+        .with_statement_timeout(Duration::from_millis(500));
+    let consumer = Consumer::new(
+        name.clone(),
+        s.source.clone(),
+        s.broker.transport(),
+        store,
+        Locking,
+    )
+    .handler_timeout(Duration::from_millis(200))
+    .retry(
+        RetryPolicy::default()
+            .with_max_attempts(2)
+            .with_delays(Duration::from_millis(5), Duration::from_millis(20)),
+    );
+    let locked = format!("{}-locked", s.run);
+    s.publish(&locked, 0).await;
+    let fine: Vec<String> = (0..5).map(|i| s.id(i)).collect();
+    for (i, id) in fine.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    let running = Running::start(&consumer, 1);
+    s.dead_letters(1).await;
+    conformance::eventually("the other messages handled", || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM test_done")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        if n == fine.len() as i64 {
+            Ok(())
+        } else {
+            Err(format!("{n} handled"))
+        }
+    })
+    .await;
+    running.stop().await;
+    let row = db.row(&s.store, &name, &locked).await.expect("a row");
+    assert!(row.dead, "{row:?}");
+    holder.rollback().await.unwrap();
+}

@@ -97,6 +97,7 @@ struct Settings {
     after_commit: Hook,
     batch: Option<Batching>,
     stats_interval: Option<Duration>,
+    drain_timeout: Option<Duration>,
 }
 
 /// Batch mode: deliveries that arrive together are claimed in one statement and handled in one
@@ -162,6 +163,7 @@ impl Default for Settings {
             after_commit: Hook::default(),
             batch: None,
             stats_interval: Some(Duration::from_secs(30)),
+            drain_timeout: None,
         }
     }
 }
@@ -363,7 +365,8 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
 
     /// Batch mode (DESIGN.md, "Batches"): deliveries that arrive together — a Kafka poll, a
     /// RabbitMQ prefetch window — are claimed in ONE statement and handled in ONE transaction,
-    /// each message in a savepoint; one commit, then every ack. A message whose handler fails is
+    /// each message in a savepoint; one commit, then every ack. A store may cap the batch size
+    /// ([`InboxStore::max_batch`]: 64 on PostgreSQL). A message whose handler fails is
     /// rolled back to its savepoint, its failure recorded in the same transaction, and it goes
     /// through the usual failure model after the commit (retry, requeue, dead-letter) without
     /// costing the others. On an ordered transport, later messages of its key wait for it, and
@@ -371,6 +374,15 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
     /// becomes enough for them.
     pub fn batch(mut self, batching: Batching) -> Self {
         self.settings_mut().batch = Some(batching);
+        self
+    }
+
+    /// How long [`run`](Self::run) lets handlers in flight finish after shutdown (default: as
+    /// long as they take). Past it, the rest are abandoned: their transactions roll back and
+    /// their deliveries go back to the broker unacknowledged, so a hung handler or broker call
+    /// cannot keep the process from exiting (set it below your orchestrator's kill grace).
+    pub fn drain_timeout(mut self, timeout: Duration) -> Self {
+        self.settings_mut().drain_timeout = Some(timeout);
         self
     }
 
@@ -410,7 +422,10 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
         let inner = &self.inner;
         let metrics = Arc::new(Metrics::new(&inner.name, inner.transport.name()));
         let stop = shutdown.child_token();
-        let batching = inner.settings.batch;
+        let batching = inner.settings.batch.map(|b| match inner.store.max_batch() {
+            Some(limit) if limit < b.max_size => Batching::new(limit, b.max_wait),
+            _ => b,
+        });
         let ordered = inner.transport.capabilities().ordered;
         // Batches of an ordered transport run one at a time: two in flight could hold messages
         // of the same key.
@@ -574,7 +589,30 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
         // are handed back.
         sampling.cancel();
         lanes.clear();
-        while let Some(done) = tasks.join_next().await {
+        let deadline = inner
+            .settings
+            .drain_timeout
+            .map(|t| tokio::time::Instant::now() + t);
+        loop {
+            let next = match deadline {
+                Some(deadline) => {
+                    match tokio::time::timeout_at(deadline, tasks.join_next()).await {
+                        Ok(next) => next,
+                        Err(_) => {
+                            tracing::warn!(
+                                consumer = %inner.name,
+                                abandoned = tasks.len(),
+                                "drain timeout: abandoning what is still in flight (rolled back; the broker redelivers it)"
+                            );
+                            tasks.abort_all();
+                            while tasks.join_next().await.is_some() {}
+                            break;
+                        }
+                    }
+                }
+                None => tasks.join_next().await,
+            };
+            let Some(done) = next else { break };
             if let Some(e) = task_failure(done) {
                 fatal.get_or_insert(e);
             }

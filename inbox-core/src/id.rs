@@ -160,10 +160,12 @@ impl IdStrategy {
         let found = match self {
             IdStrategy::BrokerId => delivery.broker_message_id().map(MessageId::from_bytes),
             IdStrategy::Header(name) => from_header(name),
-            IdStrategy::BrokerIdOrHeader(name) => delivery
-                .broker_message_id()
-                .map(MessageId::from_bytes)
-                .or_else(|| from_header(name)),
+            // An empty id property counts as absent when the header is there: some clients
+            // send "" for "not set".
+            IdStrategy::BrokerIdOrHeader(name) => match delivery.broker_message_id() {
+                Some(id) if !id.is_empty() => Some(MessageId::from_bytes(id)),
+                property => from_header(name).or_else(|| property.map(MessageId::from_bytes)),
+            },
             IdStrategy::ContentHash => {
                 let digest = Sha256::digest(delivery.payload());
                 let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
@@ -260,6 +262,26 @@ mod tests {
         assert_eq!(
             id(&IdStrategy::default(), &header_only).unwrap(),
             "from-header"
+        );
+        // An empty id property falls back to the header; with no header it is an empty id.
+        let empty_property = Fake {
+            broker_id: Some(Vec::new()),
+            headers: crate::Headers::new().with("message-id", "from-header"),
+            ..Fake::default()
+        };
+        assert_eq!(
+            id(&IdStrategy::default(), &empty_property).unwrap(),
+            "from-header"
+        );
+        let only_empty = Fake {
+            broker_id: Some(Vec::new()),
+            ..Fake::default()
+        };
+        assert!(
+            id(&IdStrategy::default(), &only_empty)
+                .unwrap_err()
+                .to_string()
+                .contains("empty")
         );
         assert!(
             id(&IdStrategy::BrokerId, &header_only)

@@ -218,6 +218,9 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
         self.enter(Method::ClaimBatch, None)?;
         self.inner.claim_batch(tx, consumer, ids).await
     }
+    fn max_batch(&self) -> Option<usize> {
+        self.inner.max_batch()
+    }
     async fn savepoint(&self, tx: &mut S::Tx) -> Result<(), StoreError> {
         self.enter(Method::Savepoint, None)?;
         self.inner.savepoint(tx).await

@@ -146,6 +146,12 @@ pub trait InboxStore: Send + Sync + 'static {
         ids: &[MessageId],
     ) -> Result<Vec<Claim>, StoreError>;
 
+    /// The most messages one batch transaction should hold, where the database sets a limit of
+    /// its own (batch mode opens a savepoint per message). `None`: no such limit.
+    fn max_batch(&self) -> Option<usize> {
+        None
+    }
+
     /// Opens a savepoint in `tx` (batch mode: one per message, so that a failing handler's
     /// writes can be undone without losing the others').
     async fn savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError>;
@@ -351,13 +357,13 @@ mod sql_errors {
 
     fn transient_code(code: &str) -> bool {
         // PostgreSQL SQLSTATEs: connection exceptions (08), serialization failure and deadlock
-        // (40001, 40P01), too many connections (53300), lock not available (55P03), shutdown and
-        // crash recovery (57P01..57P03).
+        // (40001, 40P01), too many connections (53300), lock not available (55P03), a statement
+        // cancelled by statement_timeout (57014), shutdown and crash recovery (57P01..57P03).
         if code.len() == 5 && code.chars().all(|c| c.is_ascii_alphanumeric()) {
             return code.starts_with("08")
                 || matches!(
                     code,
-                    "40001" | "40P01" | "53300" | "55P03" | "57P01" | "57P02" | "57P03"
+                    "40001" | "40P01" | "53300" | "55P03" | "57014" | "57P01" | "57P02" | "57P03"
                 );
         }
         // SQLite result codes (extended): BUSY (5) and LOCKED (6) in the low byte.

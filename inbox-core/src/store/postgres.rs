@@ -44,7 +44,14 @@ impl Drop for LockedSession {
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
     pool: PgPool,
+    /// `BEGIN` and what goes with it, sent as one statement.
+    begin: std::borrow::Cow<'static, str>,
 }
+
+/// The claim needs READ COMMITTED; it is set here, not left to the server's default: under
+/// REPEATABLE READ or SERIALIZABLE a copy that waited on the claim's row lock fails with 40001
+/// instead of seeing the message done.
+const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
 impl PostgresStore {
     /// Wraps an existing pool (share it with your application's own queries). Give the pool the
@@ -53,7 +60,26 @@ impl PostgresStore {
     /// trip before each message's `BEGIN` (a quarter of the per-message path in the profile);
     /// a broken connection then fails its first statement instead, which the consumer retries.
     pub fn new(pool: PgPool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            begin: BEGIN.into(),
+        }
+    }
+
+    /// Bounds every statement of the inbox transactions — the handler's included — to
+    /// `timeout` (`SET LOCAL statement_timeout`, sent with the `BEGIN`: no extra round trip). A
+    /// statement past it fails transiently and the message is retried.
+    ///
+    /// Pair it with [`Consumer::handler_timeout`](crate::Consumer::handler_timeout): that one
+    /// abandons a handler, but cannot stop a statement it left running — the rollback waits for
+    /// it, holding the connection and the claim's row lock, as long as, say, a lock wait lasts.
+    pub fn with_statement_timeout(mut self, timeout: Duration) -> Self {
+        self.begin = format!(
+            "{BEGIN}; SET LOCAL statement_timeout = {}",
+            timeout.as_millis().max(1)
+        )
+        .into();
+        self
     }
 
     /// Connects with a pool of `max_connections`. The URL's password is never logged.
@@ -70,7 +96,7 @@ impl PostgresStore {
             .connect_with(options)
             .await
             .map_err(store_error)?;
-        Ok(Self { pool })
+        Ok(Self::new(pool))
     }
 
     /// The pool, for the application's own queries.
@@ -129,10 +155,8 @@ impl InboxStore for PostgresStore {
     }
 
     async fn begin(&self) -> Result<PgTx, StoreError> {
-        // Set here, not left to the server's default: under REPEATABLE READ or SERIALIZABLE a
-        // copy that waited on the claim's row lock fails with 40001 instead of seeing it done.
         self.pool
-            .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+            .begin_with(self.begin.clone())
             .await
             .map_err(store_error)
     }
@@ -186,6 +210,14 @@ impl InboxStore for PostgresStore {
             rows.into_iter()
                 .map(|(id, attempts, e)| (id, attempts.max(0) as u32, e)),
         ))
+    }
+
+    /// 64: each savepoint a handler writes in takes a subtransaction id, and a backend caches 64
+    /// of them; past that the transaction's subtransactions overflow to `pg_subtrans`, and while
+    /// it is open every snapshot in the cluster (replicas included) has to look there — a known
+    /// performance cliff for everyone, not just this consumer.
+    fn max_batch(&self) -> Option<usize> {
+        Some(64)
     }
 
     async fn savepoint(&self, tx: &mut PgTx) -> Result<(), StoreError> {
