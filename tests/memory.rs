@@ -351,3 +351,72 @@ async fn a_statement_stuck_on_a_lock_is_cancelled() {
     assert!(row.dead, "{row:?}");
     holder.rollback().await.unwrap();
 }
+
+/// A handler that never returns cannot keep `run` from returning after shutdown when a drain
+/// timeout is set: its work is abandoned (rolled back, the delivery back to the broker) and the
+/// next instance handles the message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hung_handler_is_abandoned_at_the_drain_timeout() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    use conformance::stores::Postgres;
+    use conformance::{Running, Scenario, Script, eventually};
+    use inbox::CancellationToken;
+    use inbox::memory::Faults;
+
+    let db = Arc::new(Postgres);
+    let s = Scenario::new(&Memory, &db, Faults::none()).await;
+    let name = s.name("hung");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let (hang, entered) = (
+        Arc::new(AtomicBool::new(true)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let script = Arc::new(Script {
+        hook: Some({
+            let (hang, entered) = (Arc::clone(&hang), Arc::clone(&entered));
+            Arc::new(move |_, _| {
+                let hangs = hang.load(Ordering::SeqCst);
+                entered.store(true, Ordering::SeqCst);
+                Box::pin(async move {
+                    if hangs {
+                        std::future::pending::<()>().await;
+                    }
+                    Ok(())
+                })
+            })
+        }),
+        ..Script::default()
+    });
+    let consumer = s
+        .consumer(&name, &script)
+        .drain_timeout(Duration::from_millis(200));
+    let id = s.id(0);
+    s.publish(&id, 0).await;
+    let token = CancellationToken::new();
+    let run = {
+        let (consumer, token) = (consumer.clone(), token.clone());
+        tokio::spawn(async move { consumer.run(token).await })
+    };
+    eventually("the handler hangs", || async {
+        if entered.load(Ordering::SeqCst) {
+            Ok(())
+        } else {
+            Err("not yet".into())
+        }
+    })
+    .await;
+    token.cancel();
+    tokio::time::timeout(conformance::DEADLINE, run)
+        .await
+        .expect("run returns despite the hung handler")
+        .unwrap()
+        .expect("a clean stop");
+    hang.store(false, Ordering::SeqCst);
+    let running = Running::start(&consumer, 1);
+    s.wait_for(&[&name], 1).await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &[id]).await;
+}
