@@ -6,7 +6,8 @@
 //! - the naive algorithm (look the id up, then handle and insert it), for throughput and for
 //!   double effects under concurrent duplicates;
 //! - the ceilings: `pgbench` running the inbox's transaction shape (claim + business insert +
-//!   commit) at the same concurrency, and the broker's raw consume+ack rate.
+//!   the store's `SELECT 1` proof that the transaction is live + commit) at the same
+//!   concurrency, and the broker's raw consume+ack rate.
 //!
 //! `cargo bench --bench throughput --all-features -- [--transport memory|rabbitmq|kafka|all]
 //! [--messages N] [--concurrency C]`
@@ -513,6 +514,7 @@ async fn pgbench(args: &Args, url: &str) -> Result<Measured, Error> {
 BEGIN;
 INSERT INTO inbox_messages (consumer, message_id, processed_at) VALUES ('pgbench', :client_id || '-' || :n, now()) ON CONFLICT (consumer, message_id) DO UPDATE SET processed_at = now() WHERE inbox_messages.processed_at IS NULL AND inbox_messages.dead_lettered_at IS NULL RETURNING attempts, last_error;
 INSERT INTO bench_effects (run, message_id, payload) VALUES ('pgbench', :client_id || '-' || :n, 'booked');
+SELECT 1;
 COMMIT;
 ",
     )?;

@@ -110,3 +110,12 @@ ensure_confluent_kafka() {
     python3 -m pip install --quiet confluent-kafka >&2 || die "cannot install confluent-kafka"
   fi
 }
+
+# An AMQP client other than ours, for messages lapin cannot even parse (a non-UTF-8 message_id):
+# PyPI's pika.
+ensure_pika() {
+  if ! python3 -c 'import pika' 2>/dev/null; then
+    say "installing pika from PyPI"
+    python3 -m pip install --quiet pika >&2 || die "cannot install pika"
+  fi
+}

@@ -385,3 +385,114 @@ async fn consumer_timeout_during_a_database_outage_alone() {
         "the broker closed the channel under the held deliveries (their acks were lost): {report:?}"
     );
 }
+
+/// A message whose AMQP `message_id` is not UTF-8 — pika publishes it; lapin (and so our own
+/// publisher) cannot even represent it — kills the consuming connection at every delivery: lapin
+/// refuses the frame. On a quorum queue the broker counts those deliveries and, past the
+/// transport's delivery limit, moves the message to the consumer's quarantine queue. The
+/// messages before and after it are handled once each (one at a time after the first failure,
+/// so that none of them is counted with it), and the consumer never stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_unparsable_message_goes_to_quarantine() {
+    use inbox::RetryPolicy;
+    use inbox::rabbitmq::quarantine_name;
+    use std::time::Duration;
+
+    conformance::init_tracing();
+    let brokers = RabbitMq {
+        config: RabbitMq::new(QueueType::Quorum)
+            .config
+            .delivery_limit(Some(3)),
+        url: None,
+    };
+    let db = Arc::new(Postgres);
+    let s = Scenario::new(&brokers, &db, Faults::none()).await;
+    let name = s.name("unparsable");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let (before, after) = (s.id(0), s.id(1));
+    s.publish(&before, 0).await;
+    let published = tokio::process::Command::new("python3")
+        .args([
+            "-c",
+            r#"
+import sys, pika
+connection = pika.BlockingConnection(pika.URLParameters(sys.argv[1]))
+channel = connection.channel()
+channel.confirm_delivery()
+channel.basic_publish(sys.argv[2], "", b'{"n": 9}',
+    pika.BasicProperties(message_id=b"\xff\xfe-not-utf8", delivery_mode=2), mandatory=True)
+connection.close()
+"#,
+            &conformance::services::amqp_url(),
+            &s.source,
+        ])
+        .output()
+        .await
+        .expect("python3 runs");
+    assert!(
+        published.status.success(),
+        "pika publish (scripts/test installs pika): {}",
+        String::from_utf8_lossy(&published.stderr)
+    );
+    s.publish(&after, 1).await;
+    let consumer = s.consumer(&name, &Arc::new(Script::default())).retry(
+        RetryPolicy::default()
+            .with_max_deliveries(2)
+            .with_delays(Duration::from_millis(5), Duration::from_millis(40)),
+    );
+    let running = Running::start(&consumer, 1);
+    s.wait_for(&[&name], 2).await;
+    let quarantine = quarantine_name(&s.source, name.as_str());
+    eventually("the unparsable message in quarantine", || async {
+        let listed = rabbitmqctl(&[
+            "list_queues",
+            "-q",
+            "--no-table-headers",
+            "name",
+            "messages",
+        ])
+        .await;
+        let messages = listed
+            .lines()
+            .find_map(|line| line.strip_prefix(&format!("{quarantine}\t")))
+            .map(str::trim);
+        match messages {
+            Some("1") => Ok(()),
+            other => Err(format!("{quarantine}: {other:?}")),
+        }
+    })
+    .await;
+    assert!(
+        running.handles.iter().all(|h| !h.is_finished()),
+        "the consumer is still running"
+    );
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &[before, after]).await;
+}
+
+/// A consumer queue that exists with other arguments (declared by an older version without the
+/// quarantine) cannot be redeclared — RabbitMQ refuses with 406 — and its arguments cannot change
+/// in place: the transport uses it as it is, with a warning naming the policy that adds what it
+/// lacks, instead of failing the subscription.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_declared_with_other_arguments_is_used_as_it_is() {
+    use inbox::{ConsumerName, Subscription, Transport};
+
+    let source = format!("inequivalent.{}", uuid::Uuid::new_v4().simple());
+    let older = RabbitMq {
+        config: RabbitMq::new(QueueType::Quorum).config.delivery_limit(None),
+        url: None,
+    }
+    .start_rabbit()
+    .await;
+    older.transport.declare(&source, "c").await.unwrap();
+    let newer = RabbitMq::new(QueueType::Quorum).start_rabbit().await;
+    newer
+        .transport
+        .declare(&source, "c")
+        .await
+        .expect("the existing queue is used as it is");
+    let subscription = Subscription::new(source.clone(), ConsumerName::new("c").unwrap(), 1);
+    let stream = newer.transport.subscribe(&subscription).await;
+    assert!(stream.is_ok(), "{:?}", stream.err());
+}

@@ -20,7 +20,7 @@
 use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 
 use async_trait::async_trait;
 use futures::StreamExt;
@@ -61,6 +61,15 @@ pub struct RabbitMqConfig {
     /// Delete declared queues after they have been unused this long (`x-expires`); for
     /// short-lived consumers and tests. `None`: keep them.
     pub queue_expires: Option<std::time::Duration>,
+    /// Quorum queues only: how often the broker may deliver a message of a consumer's queue
+    /// before it moves it to the consumer's quarantine queue `<source>.<consumer>.quarantine`
+    /// (`x-delivery-limit`, with that queue as its dead-letter target; default 25). The engine
+    /// dead-letters a message itself once the count passes its own `max_deliveries` (20 by
+    /// default: keep it below this), so the broker's limit only takes out what the engine never
+    /// sees: a message lapin cannot parse (a non-UTF-8 `message_id`, say), whose every delivery
+    /// kills the connection. `None`: no limit (RabbitMQ 4 then applies its default of 20 and,
+    /// without a dead-letter target, drops the message).
+    pub delivery_limit: Option<u32>,
     /// How long a publish may wait for the broker's confirm (default 30 s) before it fails as
     /// [`TransportError::NotConfirmed`]. A broker under a memory or disk alarm blocks publishing
     /// connections and never confirms; the dead-letter publish that waits holds its message's
@@ -74,6 +83,7 @@ impl Default for RabbitMqConfig {
             queue_type: QueueType::Classic,
             connection_name: "inbox".to_owned(),
             queue_expires: None,
+            delivery_limit: Some(25),
             publish_timeout: std::time::Duration::from_secs(30),
         }
     }
@@ -98,6 +108,12 @@ impl RabbitMqConfig {
         self
     }
 
+    /// Sets `delivery_limit`.
+    pub fn delivery_limit(mut self, limit: Option<u32>) -> Self {
+        self.delivery_limit = limit;
+        self
+    }
+
     /// Sets `publish_timeout`.
     pub fn publish_timeout(mut self, timeout: std::time::Duration) -> Self {
         self.publish_timeout = timeout;
@@ -110,6 +126,16 @@ pub fn queue_name(source: &str, consumer: &str) -> String {
     format!("{source}.{consumer}")
 }
 
+/// Where a quorum consumer queue's broker-side dead letters go: `<queue>.quarantine`.
+pub fn quarantine_name(source: &str, consumer: &str) -> String {
+    format!("{}.quarantine", queue_name(source, consumer))
+}
+
+/// After a delivery lapin could not parse killed the connection, this many acks go by with a
+/// prefetch of 1, so that the broker's delivery limit counts the unparsable message alone and not
+/// the good ones that arrived in the same window.
+const CAREFUL_ACKS: u32 = 8;
+
 /// Consumer names this transport can give a queue of their own. A dot would make two
 /// (source, consumer) pairs share a queue — `a.b` + `c` and `a` + `b.c` both read `a.b.c`, so
 /// each message would reach only one of the two consumers — and `dead-letter` would read the
@@ -120,10 +146,10 @@ fn check_consumer_name(consumer: &str) -> Result<(), TransportError> {
             "consumer name {consumer:?} contains '.': on RabbitMQ the queue is \"<source>.<consumer>\", and a dot would let two consumers share one queue; use '-' or '_'"
         )));
     }
-    if consumer == "dead-letter" {
-        return Err(TransportError::Config(
-            "consumer name \"dead-letter\" would read the source's dead-letter queue".to_owned(),
-        ));
+    if consumer == "dead-letter" || consumer == "quarantine" {
+        return Err(TransportError::Config(format!(
+            "consumer name {consumer:?} is reserved: its queue would be a dead-letter or quarantine queue"
+        )));
     }
     Ok(())
 }
@@ -146,6 +172,10 @@ pub struct RabbitMqTransport {
     link: Mutex<Link>,
     unsettled: Arc<AtomicUsize>,
     connections: AtomicUsize,
+    /// Acks to go with a prefetch of 1 (see [`CAREFUL_ACKS`]).
+    careful: Arc<AtomicU32>,
+    /// Queues already warned about (declared earlier with other arguments).
+    warned: std::sync::Mutex<HashSet<String>>,
 }
 
 impl fmt::Debug for RabbitMqTransport {
@@ -182,6 +212,13 @@ fn short(value: &str) -> Result<ShortString, TransportError> {
     ShortString::try_new(value).map_err(|e| TransportError::Config(format!("{value:?}: {e}")))
 }
 
+/// The broker refused a declare because the queue exists with other arguments.
+fn inequivalent(error: &lapin::Error) -> bool {
+    matches!(error.kind(), lapin::ErrorKind::ProtocolError(amqp)
+        if matches!(amqp.kind(), AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED))
+            && amqp.get_message().as_str().contains("inequivalent arg"))
+}
+
 /// Maps a lapin error: refusals by the broker (missing or mismatched queues and exchanges,
 /// access) are permanent; everything else is a connection problem.
 fn broker_error(error: lapin::Error) -> TransportError {
@@ -207,6 +244,8 @@ impl RabbitMqTransport {
             link: Mutex::new(Link::default()),
             unsettled: Arc::default(),
             connections: AtomicUsize::new(0),
+            careful: Arc::default(),
+            warned: std::sync::Mutex::default(),
         }
     }
 
@@ -234,11 +273,7 @@ impl RabbitMqTransport {
     /// on are kept for that consumer even before it subscribes.
     pub async fn declare(&self, source: &str, consumer: &str) -> Result<(), TransportError> {
         check_consumer_name(consumer)?;
-        let connection = self.connection().await?;
-        let channel = connection.create_channel().await.map_err(broker_error)?;
-        self.declare_on(&channel, source, consumer).await?;
-        let _ = channel.close(200, "declared".into()).await;
-        Ok(())
+        self.declare_consumer(source, consumer).await
     }
 
     /// Messages ready in a consumer's queue (not counting unacknowledged ones).
@@ -377,32 +412,38 @@ impl RabbitMqTransport {
             .map_err(broker_error)
     }
 
+    /// Declares `queue` with `arguments` and binds it to `exchange`, on channels of its own. A
+    /// queue that exists with other arguments (declared by an older version, or with another
+    /// queue type) is used as it is, with a warning that says how to bring it in line: a queue's
+    /// arguments cannot change in place, but a policy can add what it lacks.
     async fn declare_queue(
         &self,
-        channel: &Channel,
         queue: &str,
         exchange: &str,
-        quorum: bool,
+        arguments: FieldTable,
     ) -> Result<(), TransportError> {
-        let mut arguments = FieldTable::default();
-        if quorum {
-            arguments.insert(
-                "x-queue-type".into(),
-                AMQPValue::LongString("quorum".into()),
-            );
-        }
-        channel
+        let connection = self.connection().await?;
+        let channel = connection.create_channel().await.map_err(broker_error)?;
+        let declared = channel
             .queue_declare(
                 short(queue)?,
                 QueueDeclareOptions {
                     durable: true,
                     ..QueueDeclareOptions::default()
                 },
-                arguments,
+                arguments.clone(),
             )
-            .await
-            .map_err(broker_error)?;
-        channel
+            .await;
+        let channel = match declared {
+            Ok(_) => channel,
+            Err(e) if inequivalent(&e) => {
+                // The broker closed that channel; the queue is there.
+                self.warn_inequivalent(queue, &arguments);
+                connection.create_channel().await.map_err(broker_error)?
+            }
+            Err(e) => return Err(broker_error(e)),
+        };
+        let bound = channel
             .queue_bind(
                 short(queue)?,
                 short(exchange)?,
@@ -411,19 +452,140 @@ impl RabbitMqTransport {
                 FieldTable::default(),
             )
             .await
-            .map_err(broker_error)
+            .map_err(broker_error);
+        let _ = channel.close(200, "declared".into()).await;
+        bound
     }
 
-    async fn declare_on(
-        &self,
-        channel: &Channel,
-        source: &str,
-        consumer: &str,
-    ) -> Result<(), TransportError> {
-        self.declare_exchange(channel, source).await?;
-        let quorum = self.config.queue_type == QueueType::Quorum;
-        self.declare_queue(channel, &queue_name(source, consumer), source, quorum)
+    fn warn_inequivalent(&self, queue: &str, arguments: &FieldTable) {
+        if !self
+            .warned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(queue.to_owned())
+        {
+            return;
+        }
+        let wanted: Vec<String> = arguments
+            .inner()
+            .iter()
+            .map(|(k, v)| {
+                format!(
+                    "{}={}",
+                    k.as_str(),
+                    String::from_utf8_lossy(&amqp_to_bytes(v))
+                )
+            })
+            .collect();
+        let policy = match arguments.inner().get("x-delivery-limit") {
+            Some(limit) => format!(
+                "; a policy adds the quarantine: rabbitmqctl set_policy inbox-{queue} '^{}$' '{{\"delivery-limit\":{},\"dead-letter-exchange\":\"\",\"dead-letter-routing-key\":\"{queue}.quarantine\",\"dead-letter-strategy\":\"at-least-once\",\"overflow\":\"reject-publish\"}}' --apply-to queues",
+                queue.replace('.', "\\."),
+                String::from_utf8_lossy(&amqp_to_bytes(limit)),
+            ),
+            None => String::new(),
+        };
+        tracing::warn!(
+            queue,
+            wanted = %wanted.join(", "),
+            "queue exists with other arguments; using it as it is{policy}"
+        );
+    }
+
+    /// The arguments of a consumer's queue.
+    fn consumer_queue_arguments(&self, source: &str, consumer: &str) -> FieldTable {
+        let mut arguments = self.expiring();
+        if self.config.queue_type == QueueType::Quorum {
+            arguments.insert(
+                "x-queue-type".into(),
+                AMQPValue::LongString("quorum".into()),
+            );
+            if let Some(limit) = self.config.delivery_limit {
+                let quarantine = quarantine_name(source, consumer);
+                arguments.insert(
+                    "x-delivery-limit".into(),
+                    AMQPValue::LongLongInt(limit.into()),
+                );
+                arguments.insert(
+                    "x-dead-letter-exchange".into(),
+                    AMQPValue::LongString("".into()),
+                );
+                arguments.insert(
+                    "x-dead-letter-routing-key".into(),
+                    AMQPValue::LongString(quarantine.as_str().into()),
+                );
+                arguments.insert(
+                    "x-dead-letter-strategy".into(),
+                    AMQPValue::LongString("at-least-once".into()),
+                );
+                // Required by at-least-once dead-lettering (with no length limit it does nothing).
+                arguments.insert(
+                    "x-overflow".into(),
+                    AMQPValue::LongString("reject-publish".into()),
+                );
+            }
+        }
+        arguments
+    }
+
+    /// `x-expires` where the configuration asks for it.
+    fn expiring(&self) -> FieldTable {
+        let mut arguments = FieldTable::default();
+        if let Some(after) = self.config.queue_expires {
+            let ms = i64::try_from(after.as_millis()).unwrap_or(i64::MAX).max(1);
+            arguments.insert("x-expires".into(), AMQPValue::LongLongInt(ms));
+        }
+        arguments
+    }
+
+    /// The source exchange, the consumer's quarantine queue (quorum queues with a delivery
+    /// limit) and the consumer's queue.
+    async fn declare_consumer(&self, source: &str, consumer: &str) -> Result<(), TransportError> {
+        self.declare_exchange_alone(source).await?;
+        if self.config.queue_type == QueueType::Quorum && self.config.delivery_limit.is_some() {
+            // Bound to nothing: only the broker's dead-lettering routes to it (through the
+            // default exchange), and it must exist before the first message goes there.
+            let quarantine = quarantine_name(source, consumer);
+            let connection = self.connection().await?;
+            let channel = connection.create_channel().await.map_err(broker_error)?;
+            let declared = channel
+                .queue_declare(
+                    short(&quarantine)?,
+                    QueueDeclareOptions {
+                        durable: true,
+                        ..QueueDeclareOptions::default()
+                    },
+                    self.expiring(),
+                )
+                .await;
+            let _ = channel.close(200, "declared".into()).await;
+            match declared {
+                Ok(_) => {}
+                Err(e) if inequivalent(&e) => {}
+                Err(e) => return Err(broker_error(e)),
+            }
+        }
+        self.declare_queue(
+            &queue_name(source, consumer),
+            source,
+            self.consumer_queue_arguments(source, consumer),
+        )
+        .await
+    }
+
+    /// A fanout exchange with a durable queue of the same name (dead-letter destinations).
+    async fn declare_dead_letter(&self, destination: &str) -> Result<(), TransportError> {
+        self.declare_exchange_alone(destination).await?;
+        self.declare_queue(destination, destination, self.expiring())
             .await
+    }
+
+    async fn declare_exchange_alone(&self, name: &str) -> Result<(), TransportError> {
+        let connection = self.connection().await?;
+        let channel = connection.create_channel().await.map_err(broker_error)?;
+        let declared = self.declare_exchange(&channel, name).await;
+        let _ = channel.close(200, "declared".into()).await;
+        declared
     }
 
     /// The confirming publisher channel, on the publishing connection.
@@ -594,30 +756,30 @@ impl Transport for RabbitMqTransport {
     ) -> Result<DeliveryStream, TransportError> {
         let consumer = subscription.consumer.as_str();
         check_consumer_name(consumer)?;
+        let source = &subscription.source;
+        self.declare_consumer(source, consumer).await?;
+        if let Some(dead_letter) = &subscription.dead_letter {
+            self.declare_dead_letter(dead_letter).await?;
+        }
         let connection = self.connection().await?;
         let guard = StreamGuard::new(connection.create_channel().await.map_err(broker_error)?);
-        let channel = &guard.0.channel;
-        let source = &subscription.source;
-        self.declare_on(channel, source, consumer).await?;
-        if let Some(dead_letter) = &subscription.dead_letter {
-            self.declare_exchange(channel, dead_letter).await?;
-            self.declare_queue(channel, dead_letter, dead_letter, false)
-                .await?;
-        }
         let queue = queue_name(source, consumer);
-        self.consume(guard, &queue, subscription.prefetch.max(1))
-            .await
+        let prefetch = if self.careful.load(Ordering::SeqCst) > 0 {
+            tracing::info!(queue = %queue, "consuming one message at a time after an unparsable delivery");
+            1
+        } else {
+            subscription.prefetch.max(1)
+        };
+        self.consume(guard, &queue, prefetch).await
     }
 
     /// The dead-letter queue of the same name, consumed with no prefetch limit; the stream ends
     /// after as many deliveries as the queue held ready.
     async fn read_dead_letters(&self, destination: &str) -> Result<DeliveryStream, TransportError> {
+        self.declare_dead_letter(destination).await?;
         let connection = self.connection().await?;
         let guard = StreamGuard::new(connection.create_channel().await.map_err(broker_error)?);
         let channel = &guard.0.channel;
-        self.declare_exchange(channel, destination).await?;
-        self.declare_queue(channel, destination, destination, false)
-            .await?;
         let ready = channel
             .queue_declare(
                 short(destination)?,
@@ -681,12 +843,25 @@ impl RabbitMqTransport {
         );
         let unsettled = Arc::clone(&self.unsettled);
         let counts = self.config.queue_type == QueueType::Quorum;
+        let careful = Arc::clone(&self.careful);
         let queue = queue.to_owned();
         let stream = deliveries.map(move |next| match next {
-            Ok(delivery) => Ok(
-                Box::new(RabbitDelivery::new(delivery, &guard.0, &unsettled, counts))
-                    as Box<dyn Delivery>,
-            ),
+            Ok(delivery) => Ok(Box::new(RabbitDelivery::new(
+                delivery, &guard.0, &unsettled, counts, &careful,
+            )) as Box<dyn Delivery>),
+            // A frame lapin cannot parse — a short string (message_id, a header name, …) that is
+            // not UTF-8 — kills the whole connection, and the broker redelivers that message
+            // first. Only a quorum queue's delivery limit takes it out (to the quarantine
+            // queue); until then, one message at a time, so that it alone is counted.
+            Err(e) if matches!(e.kind(), lapin::ErrorKind::ParsingError(_)) => {
+                careful.store(CAREFUL_ACKS, Ordering::SeqCst);
+                tracing::error!(
+                    queue = %queue,
+                    error = %e,
+                    "a delivery RabbitMQ sent could not be parsed (a non-UTF-8 message_id, type or header name?); the connection is lost and the broker will deliver it again. A quorum queue with a delivery limit moves it to its quarantine queue; a classic queue is stuck behind it until it is removed"
+                );
+                Err(TransportError::Disconnected(Box::new(e)))
+            }
             // The channel of an established consumer was closed — by the connection dying, or by
             // the server: `consumer_timeout` (406) after deliveries stayed unacked through a long
             // database outage, a deleted queue (404). Subscribing again either works or reports
@@ -778,6 +953,8 @@ pub struct RabbitDelivery {
     headers: Headers,
     delivery_count: Option<u32>,
     unsettled: Arc<AtomicUsize>,
+    /// The transport's careful-mode countdown, which acks bring down.
+    careful: Arc<AtomicU32>,
     finished: bool,
 }
 
@@ -803,6 +980,7 @@ impl RabbitDelivery {
         subscription: &Arc<ConsumerChannel>,
         unsettled: &Arc<AtomicUsize>,
         counts_deliveries: bool,
+        careful: &Arc<AtomicU32>,
     ) -> Self {
         let table = delivery.properties.headers().clone().unwrap_or_default();
         let headers = table
@@ -831,6 +1009,7 @@ impl RabbitDelivery {
             headers,
             delivery_count,
             unsettled: Arc::clone(unsettled),
+            careful: Arc::clone(careful),
             finished: false,
         }
     }
@@ -891,6 +1070,11 @@ impl Delivery for RabbitDelivery {
         let delivery = self.take();
         let result = bounded(delivery.acker.ack(BasicAckOptions::default())).await;
         self.finish();
+        if matches!(result, Ok(true)) {
+            let _ = self
+                .careful
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        }
         settled(result, "ack")
     }
 
