@@ -36,38 +36,9 @@ async fn another_clients_records_are_handled_once_by_the_demo() {
     transport.create_topics(&[&source]).await.unwrap();
     let demo = DemoConsumer::start("kafka", &source, &[("KAFKA_BROKERS", brokers.clone())]).await;
 
-    let (events, duplicated) = (30, 10);
-    let producer = r#"
-import json, sys, uuid
-from confluent_kafka import Producer
-brokers, topic, events, duplicated = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-producer = Producer({"bootstrap.servers": brokers})
-for n in range(events):
-    payload = json.dumps({"parcel_id": str(uuid.uuid4()), "tracking_number": f"TRK-PY-{n}", "destination": "Oslo"})
-    for _ in range(2 if n < duplicated else 1):
-        producer.produce(topic, payload.encode(), key=str(n).encode(), headers=[("message-id", f"py-{topic}-{n}".encode())])
-left = producer.flush(30)
-sys.exit(1 if left else 0)
-"#;
-    let produced = tokio::process::Command::new("python3")
-        .args([
-            "-c",
-            producer,
-            &brokers,
-            &source,
-            &events.to_string(),
-            &duplicated.to_string(),
-        ])
-        .output()
-        .await
-        .expect("python3 runs");
-    assert!(
-        produced.status.success(),
-        "confluent-kafka producer (scripts/test installs it): {}",
-        String::from_utf8_lossy(&produced.stderr)
-    );
-
-    demo.wait_for_effects(events).await;
+    let (events, duplicated) = (30usize, 10usize);
+    conformance::kafka::produce_with_confluent_kafka(&brokers, &source, events, duplicated).await;
+    demo.wait_for_effects(events as i64).await;
     eventually("every record committed by both groups", || async {
         let mut lag = 0;
         for group in ["notification", "carrier-assignment"] {

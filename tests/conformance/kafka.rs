@@ -10,6 +10,47 @@ use inbox::{ConsumerName, OutgoingMessage, Transport};
 
 use super::{BrokerFactory, TestBroker, services};
 
+/// Produces the demo's events with PyPI's `confluent-kafka` (not our code): `events` events to
+/// `topic`, the first `duplicated` of them sent twice (a producer retrying), each with its id in
+/// the `message-id` header. Panics unless every record was acknowledged.
+pub async fn produce_with_confluent_kafka(
+    brokers: &str,
+    topic: &str,
+    events: usize,
+    duplicated: usize,
+) {
+    let producer = r#"
+import json, sys, uuid
+from confluent_kafka import Producer
+brokers, topic, events, duplicated = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+producer = Producer({"bootstrap.servers": brokers})
+for n in range(events):
+    payload = json.dumps({"parcel_id": str(uuid.uuid4()), "tracking_number": f"TRK-PY-{n}", "destination": "Oslo"})
+    for _ in range(2 if n < duplicated else 1):
+        producer.produce(topic, payload.encode(), key=str(n).encode(), headers=[("message-id", f"py-{topic}-{n}".encode())])
+        producer.poll(0)
+left = producer.flush(30)
+sys.exit(1 if left else 0)
+"#;
+    let produced = tokio::process::Command::new("python3")
+        .args([
+            "-c",
+            producer,
+            brokers,
+            topic,
+            &events.to_string(),
+            &duplicated.to_string(),
+        ])
+        .output()
+        .await
+        .expect("python3 runs");
+    assert!(
+        produced.status.success(),
+        "confluent-kafka producer (scripts/test installs it): {}",
+        String::from_utf8_lossy(&produced.stderr)
+    );
+}
+
 /// A transport per scenario (topics and groups are unique per scenario); `ordered: false` handles
 /// records concurrently whatever their partition.
 pub struct Kafka {
