@@ -533,12 +533,18 @@ async fn kill_nine(broker: Broker) {
         );
         // Kill mid-stream, not while the process is still connecting or joining its group:
         // first wait until it settles deliveries.
+        // A round whose consumer never gets that far fails the run (it once went unnoticed).
         let before = tally.outcomes.settled();
-        let _ = tokio::time::timeout(DEADLINE, async {
-            while tally.outcomes.settled() == before {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
+        conformance::eventually(
+            "the consumer settles a delivery before its kill",
+            || async {
+                if tally.outcomes.settled() > before {
+                    Ok(())
+                } else {
+                    Err(format!("round {k}: nothing settled yet"))
+                }
+            },
+        )
         .await;
         let at_stall = process.kill_after(dice.millis(20, 1500)).await;
         tally.kills += 1;

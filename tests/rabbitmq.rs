@@ -52,6 +52,15 @@ async fn rabbitmqctl(args: &[&str]) -> String {
     text
 }
 
+/// One column of `rabbitmqctl list_queues` for `queue` (None: no such queue).
+async fn queue_column(queue: &str, column: &str) -> Option<String> {
+    let listed = rabbitmqctl(&["list_queues", "-q", "--no-table-headers", "name", column]).await;
+    listed
+        .lines()
+        .find_map(|line| line.strip_prefix(&format!("{queue}\t")))
+        .map(|value| value.trim().to_owned())
+}
+
 /// A vhost of its own, so that closing all its connections touches no other test.
 async fn private_vhost(name: &str) -> String {
     rabbitmqctl(&["add_vhost", name]).await;
@@ -352,19 +361,7 @@ async fn consumer_timeout_during_a_database_outage_alone() {
     eventually(
         "the broker closed the consumer's channel (consumer timeout)",
         || async {
-            let listed = rabbitmqctl(&[
-                "list_queues",
-                "-q",
-                "--no-table-headers",
-                "name",
-                "consumers",
-            ])
-            .await;
-            let consumers = listed
-                .lines()
-                .find_map(|line| line.strip_prefix(&format!("{queue}\t")))
-                .map(str::trim);
-            match consumers {
+            match queue_column(&queue, "consumers").await.as_deref() {
                 Some("0") => Ok(()),
                 other => Err(format!("consumers on {queue}: {other:?}")),
             }
@@ -373,10 +370,7 @@ async fn consumer_timeout_during_a_database_outage_alone() {
     .await;
     store.set_down(false);
     s.wait_for(&[&name], ids.len()).await;
-    assert!(
-        running.handles.iter().all(|h| !h.is_finished()),
-        "the consumer is still running"
-    );
+    assert!(running.is_running(), "the consumer is still running");
     running.stop().await;
     s.assert_exactly_once(&[&name], &ids).await;
     let report = consumer.report();
@@ -444,28 +438,13 @@ connection.close()
     s.wait_for(&[&name], 2).await;
     let quarantine = quarantine_name(&s.source, name.as_str());
     eventually("the unparsable message in quarantine", || async {
-        let listed = rabbitmqctl(&[
-            "list_queues",
-            "-q",
-            "--no-table-headers",
-            "name",
-            "messages",
-        ])
-        .await;
-        let messages = listed
-            .lines()
-            .find_map(|line| line.strip_prefix(&format!("{quarantine}\t")))
-            .map(str::trim);
-        match messages {
+        match queue_column(&quarantine, "messages").await.as_deref() {
             Some("1") => Ok(()),
             other => Err(format!("{quarantine}: {other:?}")),
         }
     })
     .await;
-    assert!(
-        running.handles.iter().all(|h| !h.is_finished()),
-        "the consumer is still running"
-    );
+    assert!(running.is_running(), "the consumer is still running");
     running.stop().await;
     s.assert_exactly_once(&[&name], &[before, after]).await;
 }

@@ -1325,11 +1325,18 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T, StoreError>>,
     {
+        let mut conflicts = self.settings.retry.delays();
         loop {
             match write().await {
                 Ok(value) => {
                     self.store_outage.succeeded();
                     return Ok(Some(value));
+                }
+                // A deadlock or serialization failure is this write's, not an outage.
+                Err(StoreError::Conflict(_)) => {
+                    if !sleep_unless_stopped(next_delay(&mut conflicts), stop).await {
+                        return Ok(None);
+                    }
                 }
                 Err(e) if e.is_transient() => {
                     if !self.store_outage.failed(&e, stop).await {

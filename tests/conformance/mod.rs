@@ -422,7 +422,7 @@ impl<D: TestDb> Scenario<D> {
 /// Consumer instances running in the background.
 pub struct Running {
     token: CancellationToken,
-    pub handles: Vec<JoinHandle<Result<ConsumerReport, ConsumerError>>>,
+    handles: Vec<JoinHandle<Result<ConsumerReport, ConsumerError>>>,
 }
 
 impl Running {
@@ -439,6 +439,11 @@ impl Running {
             })
             .collect();
         Self { token, handles }
+    }
+
+    /// No instance has returned (with an error or otherwise).
+    pub fn is_running(&self) -> bool {
+        self.handles.iter().all(|h| !h.is_finished())
     }
 
     pub fn token(&self) -> &CancellationToken {
@@ -803,6 +808,18 @@ fn header<'m>(message: &'m OutgoingMessage, name: &str) -> &'m str {
     message.headers.get_str(name).unwrap_or("")
 }
 
+/// Each dead letter's reason, by message id.
+fn reasons_by_id(dead: &[OutgoingMessage]) -> HashMap<String, String> {
+    dead.iter()
+        .map(|m| {
+            (
+                header(m, dead_letter_headers::MESSAGE_ID).to_owned(),
+                header(m, dead_letter_headers::REASON).to_owned(),
+            )
+        })
+        .collect()
+}
+
 /// Missing, empty, over-long and non-UTF-8 ids are dead-lettered with their reason; the consumer
 /// keeps going.
 pub async fn invalid_ids_are_dead_lettered<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
@@ -928,7 +945,8 @@ pub async fn poison_messages_are_dead_lettered<D: TestDb>(
         .iter()
         .map(|m| (header(m, dead_letter_headers::MESSAGE_ID), m))
         .collect();
-    let reason = |id: &str| header(by_id[id], dead_letter_headers::REASON).to_owned();
+    let reasons = reasons_by_id(&dead);
+    let reason = |id: &str| reasons[id].clone();
     assert!(
         reason(&forever).contains("gave up after 4 attempts"),
         "{}",
@@ -1698,10 +1716,7 @@ pub async fn error_texts_with_nul_are_stored<D: TestDb>(brokers: &dyn BrokerFact
     s.dead_letters(2).await;
     s.publish(&after, 3).await;
     s.wait_for(&[&name], 2).await;
-    assert!(
-        running.handles.iter().all(|h| !h.is_finished()),
-        "the consumer is still running"
-    );
+    assert!(running.is_running(), "the consumer is still running");
     running.stop().await;
     s.assert_exactly_once(&[&name], &[flaky.clone(), after])
         .await;
@@ -1788,18 +1803,12 @@ pub async fn store_faults_neither_wedge_nor_stop<D: TestDb>(
         s.publish(id, i).await;
     }
     s.wait_for(&[&name], good.len()).await;
-    assert!(
-        running.handles.iter().all(|h| !h.is_finished()),
-        "the consumer is still running"
-    );
+    assert!(running.is_running(), "the consumer is still running");
     running.stop().await;
     s.assert_exactly_once(&[&name], &good).await;
 
-    let by_id: HashMap<&str, &OutgoingMessage> = dead
-        .iter()
-        .map(|m| (header(m, dead_letter_headers::MESSAGE_ID), m))
-        .collect();
-    let reason = |id: &str| header(by_id[id], dead_letter_headers::REASON).to_owned();
+    let reasons = reasons_by_id(&dead);
+    let reason = |id: &str| reasons[id].clone();
     assert!(
         reason(&gate).contains("gave up after 4 attempts"),
         "{}",

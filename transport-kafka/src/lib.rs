@@ -455,6 +455,16 @@ impl KafkaTransport {
                     ends.remove(&message.partition());
                 }
             }
+            if !ends.is_empty() {
+                // Short of the end: saying so beats reporting the letters not read as missing.
+                return Err(TransportError::Disconnected(
+                    format!(
+                        "{topic}: partitions {:?} not read to their end within 30 s",
+                        ends.keys().collect::<Vec<_>>()
+                    )
+                    .into(),
+                ));
+            }
             Ok(records)
         })
         .await

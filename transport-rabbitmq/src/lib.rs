@@ -792,6 +792,9 @@ impl Transport for RabbitMqTransport {
             .await
             .map_err(broker_error)?
             .message_count();
+        // No prefetch limit: a replay holds the letters that are not its own unacknowledged
+        // until it is done, so a window would stall once it is full of them. (The letters are in
+        // memory at once: the price of reading a queue that other consumers share.)
         let stream = self.consume(guard, destination, 0).await?;
         Ok(Box::pin(stream.take(ready as usize)))
     }
