@@ -1075,6 +1075,23 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
                 .await);
         }
 
+        // Where the broker counts no deliveries, a delivery that may be a redelivery is counted
+        // in the inbox row first, committed: if the consumer dies on the message, the count
+        // survives the crash, and a message it keeps dying on is dead-lettered instead of looping
+        // for ever.
+        let mut unfinished = None;
+        if delivery.delivery_count().is_none() && delivery.redelivered() {
+            match self
+                .retry_store(stop, || self.store.note_delivery(&self.name, &id))
+                .await
+            {
+                Ok(Some(n)) => unfinished = Some(n),
+                Ok(None) => return Ok(self.hand_back(delivery).await),
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not count the delivery; handling it uncounted")
+                }
+            }
+        }
         let mut retry_delays = self.settings.retry.delays();
         let mut dead_letter_delays = self.settings.reconnect.delays();
         let mut local_retries = 0u32;
@@ -1141,7 +1158,12 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
                     Some(n) if n > policy.max_deliveries => Some(format!(
                         "delivered {n} times without an outcome ({attempts} failures recorded): the consumer may be crashing on it"
                     )),
-                    _ => None,
+                    _ => match unfinished {
+                        Some(n) if n > policy.max_deliveries => Some(format!(
+                            "delivered {n} times without an outcome, as counted in the inbox ({attempts} failures recorded): the consumer may be crashing on it"
+                        )),
+                        _ => None,
+                    },
                 }
             };
             if let Some(reason) = exhausted {

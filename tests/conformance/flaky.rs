@@ -26,6 +26,7 @@ pub enum Method {
     Commit,
     RecordFailure,
     RecordDead,
+    NoteDelivery,
     Revive,
 }
 
@@ -284,6 +285,14 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
         self.inner
             .record_failure(consumer, id, attempt, error)
             .await
+    }
+    async fn note_delivery(
+        &self,
+        consumer: &ConsumerName,
+        id: &MessageId,
+    ) -> Result<u32, StoreError> {
+        self.enter(Method::NoteDelivery, Some(id))?;
+        self.inner.note_delivery(consumer, id).await
     }
     async fn record_dead(
         &self,

@@ -1452,21 +1452,15 @@ pub async fn an_instance_joins_mid_stream<D: TestDb>(brokers: &dyn BrokerFactory
     );
 }
 
-/// A message the consumer dies on (no failure is ever recorded) is dead-lettered once the
-/// broker's delivery count passes `max_deliveries`; the others are unaffected. Only for brokers
-/// that count deliveries.
+/// A message the consumer dies on (no failure is ever recorded) is dead-lettered once its
+/// delivery count passes `max_deliveries` — the broker's where it counts deliveries, otherwise
+/// the inbox's own count of deliveries that may be redeliveries (AMQP's `redelivered`, the first
+/// record of a Kafka partition after an assignment); the others are unaffected.
 pub async fn crash_looping_message_is_dead_lettered<D: TestDb>(
     brokers: &dyn BrokerFactory,
     db: &Arc<D>,
 ) {
     let s = Scenario::new(brokers, db, Faults::none()).await;
-    if !s.broker.transport().capabilities().delivery_count {
-        println!(
-            "not applicable: {} does not count deliveries",
-            brokers.name()
-        );
-        return;
-    }
     let name = s.name("crashloop");
     s.broker.prepare(&s.source, &[&name]).await;
     let (poison, fine) = (s.id(0), s.id(1));
@@ -1474,7 +1468,9 @@ pub async fn crash_looping_message_is_dead_lettered<D: TestDb>(
     // queue with it (in batch mode they shared its transaction until redeliveries were taken
     // out of batches). Not on SQLite: there the stuck handler holds the database's one write
     // lock, so nothing else commits until the crash, and every crash redelivers them too.
-    let mates: Vec<String> = if D::CONCURRENT_WRITERS {
+    // Nor on an ordered transport, where those of the poison's partition wait behind it.
+    let ordered = s.broker.transport().capabilities().ordered;
+    let mates: Vec<String> = if D::CONCURRENT_WRITERS && !ordered {
         (10..16).map(|i| s.id(i)).collect()
     } else {
         Vec::new()
@@ -1515,9 +1511,10 @@ pub async fn crash_looping_message_is_dead_lettered<D: TestDb>(
     // queue, and an aborted consumer may return it twice.)
     let dead_letters = || async { s.broker.published(&s.dead_letter_destination()).await.len() };
     let mut crashes = 0;
+    // (Where the count is the inbox's, the first delivery may not count: it is no redelivery.)
     while dead_letters().await == 0 {
         assert!(
-            crashes <= max_deliveries as usize,
+            crashes <= max_deliveries as usize + 1,
             "still not dead-lettered after {crashes} crashes"
         );
         let running = Running::start(&consumer, 1);
@@ -1551,7 +1548,7 @@ pub async fn crash_looping_message_is_dead_lettered<D: TestDb>(
     running.stop().await;
     let entered = entered.load(Ordering::SeqCst);
     assert!(
-        (1..=max_deliveries as usize).contains(&entered),
+        (1..=max_deliveries as usize + 1).contains(&entered),
         "handed to the handler {entered} times, then never again"
     );
     let mut all = mates.clone();

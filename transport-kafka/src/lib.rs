@@ -177,17 +177,23 @@ struct Lane {
 }
 
 impl Tracker {
-    /// Notes a delivered record; returns the assignment generation it belongs to.
-    fn delivered(&self, topic: &str, partition: i32, offset: i64) -> usize {
+    /// Notes a delivered record; returns the assignment generation it belongs to, and whether it
+    /// is its partition's first record since the assignment — the one a previous owner that died
+    /// was most likely handling.
+    fn delivered(&self, topic: &str, partition: i32, offset: i64) -> (usize, bool) {
         let mut partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
+        let mut first = false;
         let lane = partitions
             .entry((topic.to_owned(), partition))
-            .or_insert_with(|| Lane {
-                generation: self.generation.fetch_add(1, Ordering::SeqCst),
-                pending: VecDeque::new(),
+            .or_insert_with(|| {
+                first = true;
+                Lane {
+                    generation: self.generation.fetch_add(1, Ordering::SeqCst),
+                    pending: VecDeque::new(),
+                }
             });
         lane.pending.push_back((offset, false));
-        lane.generation
+        (lane.generation, first)
     }
 
     /// Marks a record done; returns the offset to store (the next record to read) when the
@@ -598,7 +604,7 @@ async fn poll(
             next = consumer.recv(), if streaming && !ending && pending.is_none() => {
                 let item = match next {
                     Ok(message) => {
-                        let generation = tracker.delivered(message.topic(), message.partition(), message.offset());
+                        let (generation, first) = tracker.delivered(message.topic(), message.partition(), message.offset());
                         outstanding += 1;
                         unsettled.fetch_add(1, Ordering::SeqCst);
                         Ok(Box::new(KafkaDelivery {
@@ -610,6 +616,7 @@ async fn poll(
                                 .then(|| format!("{}/{}", message.topic(), message.partition())),
                             payload: message.payload().unwrap_or_default().to_vec(),
                             headers: headers_of(&message),
+                            maybe_redelivered: first,
                             settle: Some(settle.clone()),
                             unsettled: Arc::clone(&unsettled),
                         }) as Box<dyn Delivery>)
@@ -911,6 +918,9 @@ pub struct KafkaDelivery {
     ordering_key: Option<String>,
     payload: Vec<u8>,
     headers: Headers,
+    /// The partition's first record since the assignment: it may have been delivered before,
+    /// to an owner that died on it (Kafka counts no deliveries).
+    maybe_redelivered: bool,
     settle: Option<mpsc::UnboundedSender<Settlement>>,
     unsettled: Arc<AtomicUsize>,
 }
@@ -949,8 +959,10 @@ impl Delivery for KafkaDelivery {
         None
     }
 
+    /// True for a partition's first record since the assignment: Kafka does not say whether
+    /// a record was delivered before, and that is the one a previous owner may have died on.
     fn redelivered(&self) -> bool {
-        false
+        self.maybe_redelivered
     }
 
     fn coordinates(&self) -> Option<String> {
@@ -1005,8 +1017,9 @@ mod tests {
     #[test]
     fn only_contiguous_progress_is_stored() {
         let tracker = Tracker::default();
-        let g = tracker.delivered("t", 0, 10);
-        tracker.delivered("t", 0, 11);
+        let (g, first) = tracker.delivered("t", 0, 10);
+        assert!(first, "the first record since the assignment");
+        assert!(!tracker.delivered("t", 0, 11).1);
         tracker.delivered("t", 0, 13); // offsets may have gaps
         assert_eq!(tracker.done("t", 0, 11, g), None, "10 is not done yet");
         assert_eq!(tracker.done("t", 0, 10, g), Some(12));
@@ -1016,11 +1029,11 @@ mod tests {
     #[test]
     fn acks_from_before_a_rebalance_store_nothing() {
         let tracker = Tracker::default();
-        let old = tracker.delivered("t", 1, 5);
+        let (old, _) = tracker.delivered("t", 1, 5);
         let mut list = TopicPartitionList::new();
         list.add_partition("t", 1);
         tracker.reset(&list);
-        let new = tracker.delivered("t", 1, 5);
+        let (new, _) = tracker.delivered("t", 1, 5);
         assert_ne!(old, new);
         assert_eq!(tracker.done("t", 1, 5, old), None);
         assert_eq!(tracker.done("t", 1, 5, new), Some(6));

@@ -198,6 +198,17 @@ pub trait InboxStore: Send + Sync + 'static {
         error: &str,
     ) -> Result<u32, StoreError>;
 
+    /// Counts, in its own committed transaction, a delivery that is about to be handled and may
+    /// be a redelivery, on a broker that counts no deliveries itself (Kafka, classic RabbitMQ
+    /// queues); returns the count, this one included — or 0 when the message is processed or
+    /// dead by now. A count that keeps growing means the consumer keeps dying on the message
+    /// before any outcome is recorded. [`revive`](Self::revive) resets it.
+    async fn note_delivery(
+        &self,
+        consumer: &ConsumerName,
+        id: &MessageId,
+    ) -> Result<u32, StoreError>;
+
     /// Marks a message dead in its own transaction (a permanent failure after rollback), unless it
     /// is processed by now.
     async fn record_dead(
@@ -208,7 +219,7 @@ pub trait InboxStore: Send + Sync + 'static {
         reason: &str,
     ) -> Result<(), StoreError>;
 
-    /// Clears the dead mark of a message in `tx`, with a fresh attempt budget, so that its next
+    /// Clears the dead mark of a message in `tx`, with a fresh attempt and delivery budget, so that its next
     /// delivery is handled: the operator's replay. Returns whether there was such a dead row. The
     /// row stays locked until `tx` ends, so a copy delivered meanwhile waits for the outcome.
     async fn revive(

@@ -331,6 +331,25 @@ impl InboxStore for PostgresStore {
         Ok(attempts.unwrap_or(attempt as i32).max(0) as u32)
     }
 
+    async fn note_delivery(
+        &self,
+        consumer: &ConsumerName,
+        id: &MessageId,
+    ) -> Result<u32, StoreError> {
+        let unfinished: Option<i32> = sqlx::query_scalar(
+            "INSERT INTO inbox_messages (consumer, message_id, unfinished) VALUES ($1, $2, 1)
+             ON CONFLICT (consumer, message_id) DO UPDATE SET unfinished = inbox_messages.unfinished + 1
+               WHERE inbox_messages.processed_at IS NULL AND inbox_messages.dead_lettered_at IS NULL
+             RETURNING unfinished",
+        )
+        .bind(consumer.as_str())
+        .bind(id.as_str())
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(store_error)?;
+        Ok(u32::try_from(unfinished.unwrap_or(0)).unwrap_or(0))
+    }
+
     async fn record_dead(
         &self,
         consumer: &ConsumerName,
@@ -364,7 +383,7 @@ impl InboxStore for PostgresStore {
     ) -> Result<bool, StoreError> {
         // The replayed message starts afresh: a new attempt budget.
         let done = sqlx::query(
-            "UPDATE inbox_messages SET dead_lettered_at = NULL, attempts = 0
+            "UPDATE inbox_messages SET dead_lettered_at = NULL, attempts = 0, unfinished = 0
              WHERE consumer = $1 AND message_id = $2 AND dead_lettered_at IS NOT NULL",
         )
         .bind(consumer.as_str())

@@ -293,6 +293,25 @@ impl InboxStore for SqliteStore {
             .clamp(0, i64::from(u32::MAX)) as u32)
     }
 
+    async fn note_delivery(
+        &self,
+        consumer: &ConsumerName,
+        id: &MessageId,
+    ) -> Result<u32, StoreError> {
+        let unfinished: Option<i64> = sqlx::query_scalar(
+            "INSERT INTO inbox_messages (consumer, message_id, unfinished) VALUES ($1, $2, 1)
+             ON CONFLICT (consumer, message_id) DO UPDATE SET unfinished = inbox_messages.unfinished + 1
+               WHERE inbox_messages.processed_at IS NULL AND inbox_messages.dead_lettered_at IS NULL
+             RETURNING unfinished",
+        )
+        .bind(consumer.as_str())
+        .bind(id.as_str())
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(store_error)?;
+        Ok(u32::try_from(unfinished.unwrap_or(0)).unwrap_or(0))
+    }
+
     async fn record_dead(
         &self,
         consumer: &ConsumerName,
@@ -325,7 +344,7 @@ impl InboxStore for SqliteStore {
         id: &MessageId,
     ) -> Result<bool, StoreError> {
         let done = sqlx::query(
-            "UPDATE inbox_messages SET dead_lettered_at = NULL, attempts = 0
+            "UPDATE inbox_messages SET dead_lettered_at = NULL, attempts = 0, unfinished = 0
              WHERE consumer = $1 AND message_id = $2 AND dead_lettered_at IS NOT NULL",
         )
         .bind(consumer.as_str())
