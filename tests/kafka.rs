@@ -59,3 +59,27 @@ async fn another_clients_records_are_handled_once_by_the_demo() {
     println!("{stderr}");
     DemoConsumer::assert_exactly_once(&database, &stderr, events as u64, duplicated as u64).await;
 }
+
+/// Hostile input produced by confluent-kafka to the demo's consumers running as a separate
+/// process: every bad id and payload is dead-lettered once per consumer with its reason, the
+/// valid ones are handled once, and the process drains on SIGTERM with exit 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_input_from_another_client() {
+    use conformance::demo::DemoConsumer;
+    use conformance::hostile;
+    use inbox::kafka::{KafkaConfig, KafkaTransport};
+
+    let brokers = conformance::services::kafka_brokers();
+    let transport = KafkaTransport::new(KafkaConfig::new(brokers.clone())).unwrap();
+    let source = format!("hostile-{}", uuid::Uuid::new_v4().simple());
+    let run = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    transport.create_topics(&[&source]).await.unwrap();
+    let demo = DemoConsumer::start("kafka", &source, &[("KAFKA_BROKERS", brokers.clone())]).await;
+    hostile::publish_all("kafka", &brokers, &source, &run).await;
+    let dead_letter = format!("{source}.dead-letter");
+    hostile::assert_settled(&demo, &run, || async {
+        transport.read_topic(&dead_letter).await.unwrap_or_default()
+    })
+    .await;
+    demo.stop().await;
+}

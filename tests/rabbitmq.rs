@@ -475,3 +475,64 @@ async fn a_queue_declared_with_other_arguments_is_used_as_it_is() {
     let stream = newer.transport.subscribe(&subscription).await;
     assert!(stream.is_ok(), "{:?}", stream.err());
 }
+
+/// Hostile input published by pika (another client, which can send what ours cannot) to the
+/// demo's consumers on quorum queues, running as a separate process: every bad id and payload is
+/// dead-lettered once per consumer with its reason, the message lapin cannot parse goes to each
+/// consumer's quarantine queue, the valid ones are handled once, and the process drains on
+/// SIGTERM with exit 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_input_from_another_client() {
+    use conformance::demo::DemoConsumer;
+    use conformance::hostile;
+    use inbox::rabbitmq::{RabbitMqConfig, RabbitMqTransport, quarantine_name};
+
+    let url = conformance::services::amqp_url();
+    let source = format!("hostile-{}", uuid::Uuid::new_v4().simple());
+    let run = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    // The demo's own queue arguments, declared before anything is published.
+    // (A delivery limit of 3 rather than 25: each unparsable delivery costs a reconnection, at a
+    // backoff that grows to 5 s.)
+    let transport = RabbitMqTransport::new(
+        url.clone(),
+        RabbitMqConfig::default()
+            .queue_type(QueueType::Quorum)
+            .delivery_limit(Some(3)),
+    );
+    for consumer in ["notification", "carrier-assignment"] {
+        transport.declare(&source, consumer).await.unwrap();
+    }
+    let demo = DemoConsumer::start(
+        "rabbitmq",
+        &source,
+        &[
+            ("AMQP_URL", url.clone()),
+            ("RABBITMQ_QUEUE_TYPE", "quorum".to_owned()),
+            ("RABBITMQ_DELIVERY_LIMIT", "3".to_owned()),
+        ],
+    )
+    .await;
+    hostile::publish_all("amqp", &url, &source, &run).await;
+    let dead_letter = format!("{source}.dead-letter");
+    hostile::assert_settled(&demo, &run, || async {
+        transport
+            .peek_messages(&dead_letter, 1000)
+            .await
+            .unwrap_or_default()
+    })
+    .await;
+    for consumer in ["notification", "carrier-assignment"] {
+        let quarantine = quarantine_name(&source, consumer);
+        eventually(
+            "the unparsable message in each consumer's quarantine",
+            || async {
+                match queue_column(&quarantine, "messages").await.as_deref() {
+                    Some("1") => Ok(()),
+                    other => Err(format!("{quarantine}: {other:?}")),
+                }
+            },
+        )
+        .await;
+    }
+    demo.stop().await;
+}

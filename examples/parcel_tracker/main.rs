@@ -169,7 +169,8 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
 }
 
 /// The broker to use. RabbitMQ reads `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`),
-/// Kafka `KAFKA_BROKERS` (default `127.0.0.1:9092`) and `KAFKA_SESSION_TIMEOUT_MS`.
+/// `RABBITMQ_QUEUE_TYPE` (`quorum`; classic otherwise) and `RABBITMQ_DELIVERY_LIMIT`; Kafka
+/// `KAFKA_BROKERS` (default `127.0.0.1:9092`) and `KAFKA_SESSION_TIMEOUT_MS`.
 fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
     match kind {
         TransportKind::Memory => Ok(Arc::new(MemoryBroker::new())),
@@ -177,9 +178,19 @@ fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
         TransportKind::Rabbitmq => {
             let url = std::env::var("AMQP_URL")
                 .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+            let mut config = inbox::rabbitmq::RabbitMqConfig::default();
+            // Quorum queues count deliveries, and take out what lapin cannot parse.
+            if std::env::var("RABBITMQ_QUEUE_TYPE").is_ok_and(|t| t == "quorum") {
+                config = config.queue_type(inbox::rabbitmq::QueueType::Quorum);
+            }
+            if let Some(limit) = std::env::var("RABBITMQ_DELIVERY_LIMIT")
+                .ok()
+                .and_then(|v| v.parse().ok())
+            {
+                config = config.delivery_limit(Some(limit));
+            }
             Ok(Arc::new(inbox::rabbitmq::RabbitMqTransport::new(
-                url,
-                Default::default(),
+                url, config,
             )))
         }
         #[cfg(not(feature = "rabbitmq"))]

@@ -6,6 +6,8 @@
 #[cfg(any(feature = "rabbitmq", feature = "kafka"))]
 pub mod demo;
 pub mod flaky;
+#[cfg(any(feature = "rabbitmq", feature = "kafka"))]
+pub mod hostile;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod memory;
