@@ -201,3 +201,142 @@ proptest! {
         block_on(run(Postgres, schedule));
     }
 }
+
+/// One message as another client could send it: any id property, any bytes in the id header,
+/// in `traceparent` and in the replay addressee header, any payload (often JSON-looking).
+#[derive(Debug, Clone)]
+struct Hostile {
+    property: Option<String>,
+    id_header: Option<Vec<u8>>,
+    traceparent: Option<Vec<u8>>,
+    replay_for: Option<Vec<u8>>,
+    payload: Vec<u8>,
+}
+
+fn hostile() -> impl Strategy<Value = Hostile> {
+    use proptest::collection::vec;
+    use proptest::option::of;
+    let payload = prop_oneof![
+        vec(any::<u8>(), 0..300),
+        any::<u64>().prop_map(|n| format!(r#"{{"n":{n}}}"#).into_bytes()),
+        ".{0,40}".prop_map(|s| format!(r#"{{"n":1,"kind":{s:?}}}"#).into_bytes()),
+        (1usize..3000).prop_map(|depth| {
+            format!(
+                r#"{{"n":1,"x":{}{}}}"#,
+                "[".repeat(depth),
+                "]".repeat(depth)
+            )
+            .into_bytes()
+        }),
+    ];
+    (
+        of(".{0,300}"),
+        of(vec(any::<u8>(), 0..300)),
+        of(vec(any::<u8>(), 0..60)),
+        of(vec(any::<u8>(), 0..20)),
+        payload,
+    )
+        .prop_map(
+            |(property, id_header, traceparent, replay_for, payload)| Hostile {
+                property,
+                id_header,
+                traceparent,
+                replay_for,
+                payload,
+            },
+        )
+}
+
+/// Whatever bytes arrive as ids, header values and payloads: the consumer never stops, every
+/// delivery ends exactly one way (handled, dead-lettered, or discarded as a copy), each
+/// handled id has one effect, every dead letter says why, and a good message sent after them
+/// is handled. On PostgreSQL, which refuses NUL in text (the `kind` strings often carry one into
+/// the decoder's error message).
+async fn hostile_messages(messages: Vec<Hostile>) {
+    use inbox::{OutgoingMessage, dead_letter_headers};
+
+    // PostgreSQL: the database that refuses NUL in text.
+    let db = Arc::new(Postgres);
+    let broker = MemoryBroker::new();
+    let s = Scenario::new(
+        &Existing(Mutex::new(Some(broker.clone()))),
+        &db,
+        Faults::none(),
+    )
+    .await;
+    let name = s.name("fuzz");
+    s.broker.prepare(&s.source, &[&name]).await;
+    for m in &messages {
+        let mut message = OutgoingMessage {
+            message_id: m.property.clone(),
+            payload: m.payload.clone().into(),
+            ..OutgoingMessage::default()
+        };
+        for (header, value) in [
+            ("message-id", &m.id_header),
+            ("traceparent", &m.traceparent),
+            (dead_letter_headers::REPLAY_FOR, &m.replay_for),
+        ] {
+            if let Some(value) = value {
+                message = message.with_header(header, value.clone());
+            }
+        }
+        s.publish_raw(message).await;
+    }
+    let good = s.id(0);
+    s.publish(&good, 0).await;
+    let script = Arc::new(Script {
+        decode_json: true,
+        ..Script::default()
+    });
+    let consumer = s.consumer(&name, &script);
+    let running = Running::start(&consumer, 2);
+    let total = messages.len() as u64 + 1;
+    conformance::eventually("every delivery settled", || async {
+        let r = consumer.report();
+        let ended = r.processed + r.dead_lettered + r.duplicates_discarded;
+        if ended >= total && r.deliveries == ended {
+            s.broker.settled(&s.source, &[&name]).await
+        } else {
+            Err(format!("{r:?}"))
+        }
+    })
+    .await;
+    assert!(running.is_running(), "the consumer never stops");
+    running.stop().await;
+    let report = consumer.report();
+    assert_eq!(
+        report.processed + report.dead_lettered + report.duplicates_discarded,
+        total,
+        "each delivery ends one way: {report:?}"
+    );
+    let effects = s.effects().await;
+    assert!(
+        effects.values().all(|n| *n == 1),
+        "one effect per id: {effects:?}"
+    );
+    assert_eq!(effects.len() as u64, report.processed, "{report:?}");
+    assert_eq!(
+        effects.get(&(name.to_string(), good)),
+        Some(&1),
+        "the good one"
+    );
+    let dead = s.broker.published(&s.dead_letter_destination()).await;
+    assert_eq!(dead.len() as u64, report.dead_lettered);
+    for letter in &dead {
+        let reason = letter
+            .headers
+            .get_str(dead_letter_headers::REASON)
+            .unwrap_or("");
+        assert!(!reason.is_empty(), "a dead letter says why: {letter:?}");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn hostile_bytes_never_stop_the_consumer(messages in proptest::collection::vec(hostile(), 1..12)) {
+        block_on(hostile_messages(messages));
+    }
+}
