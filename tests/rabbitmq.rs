@@ -521,6 +521,7 @@ async fn hostile_input_from_another_client() {
             .unwrap_or_default()
     })
     .await;
+    hostile::publish_unparsable(&url, &source, &run).await;
     for consumer in ["notification", "carrier-assignment"] {
         let quarantine = quarantine_name(&source, consumer);
         eventually(
@@ -534,5 +535,11 @@ async fn hostile_input_from_another_client() {
         )
         .await;
     }
+    let letters = transport.peek_messages(&dead_letter, 1000).await.unwrap();
+    assert_eq!(
+        letters.len(),
+        2 * (hostile::BAD_IDS.len() + hostile::BAD_PAYLOADS.len()),
+        "no dead letter more"
+    );
     demo.stop().await;
 }

@@ -1064,17 +1064,6 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
             metrics.duplicate();
             return Ok(Outcome::Duplicate);
         }
-        if delivery.payload().len() > self.settings.max_payload_bytes {
-            let reason = format!(
-                "payload of {} bytes exceeds the limit of {} bytes",
-                delivery.payload().len(),
-                self.settings.max_payload_bytes
-            );
-            return Ok(self
-                .dead_letter_after_failure(delivery, &id, 1, reason, metrics, stop)
-                .await);
-        }
-
         // Where the broker counts no deliveries, a delivery that may be a redelivery is counted
         // in the inbox row first, committed: if the consumer dies on the message, the count
         // survives the crash, and a message it keeps dying on is dead-lettered instead of looping
@@ -1096,10 +1085,6 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
         let mut dead_letter_delays = self.settings.reconnect.delays();
         let mut local_retries = 0u32;
         loop {
-            // Work that waited (a retry, a batch's deferred rest) is not started after shutdown.
-            if stop.is_cancelled() {
-                return Ok(self.hand_back(delivery).await);
-            }
             let mut tx = match self.store.begin().await {
                 Ok(tx) => tx,
                 Err(e) => {
@@ -1145,7 +1130,15 @@ impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
             let attempt = attempts.saturating_add(1);
             span.record("attempt", attempt);
             let policy = &self.settings.retry;
-            let exhausted = if attempt > policy.max_attempts {
+            // Checked under the claim, so that a redelivered copy of a message dead-lettered for
+            // its size is a duplicate, not a second dead letter.
+            let exhausted = if delivery.payload().len() > self.settings.max_payload_bytes {
+                Some(format!(
+                    "payload of {} bytes exceeds the limit of {} bytes",
+                    delivery.payload().len(),
+                    self.settings.max_payload_bytes
+                ))
+            } else if attempt > policy.max_attempts {
                 Some(format!(
                     "gave up after {attempts} attempts; last error: {}",
                     last_error.as_deref().unwrap_or("none recorded")

@@ -33,9 +33,20 @@ pub const BAD_PAYLOADS: [(&str, &str); 6] = [
 /// `source` the exchange) or `kafka` (confluent-kafka; `target` the brokers, `source` the
 /// topic). Valid ids, each handled once: SQL-looking, non-ASCII, exactly 255 bytes, space-padded
 /// (ids are taken verbatim), and `<run>-twin` twice with different payloads (tracking numbers
-/// `TWIN-A`, then `TWIN-B`: the first claimed is the message, the other a duplicate). On AMQP
-/// also a `message_id` that is not UTF-8, which lapin cannot parse at all.
+/// `TWIN-A`, then `TWIN-B`: the first claimed is the message, the other a duplicate).
 pub async fn publish_all(kind: &str, target: &str, source: &str, run: &str) {
+    publish(&[kind, target, source, run]).await;
+}
+
+/// Publishes, with pika, a message whose `message_id` is not UTF-8: lapin cannot parse it at all,
+/// and each delivery of it kills the consuming connection (so it is sent on its own, after the
+/// rest settled: a connection killed under them could cost an ack and double a dead letter of an
+/// id-less message, which nothing can tell apart).
+pub async fn publish_unparsable(url: &str, source: &str, run: &str) {
+    publish(&["amqp", url, source, run, "unparsable"]).await;
+}
+
+async fn publish(args: &[&str]) {
     let script = r#"
 import json, sys, uuid
 kind, target, source, run = sys.argv[1:5]
@@ -67,7 +78,8 @@ if kind == "amqp":
     connection = pika.BlockingConnection(pika.URLParameters(target))
     channel = connection.channel()
     channel.confirm_delivery()
-    messages.append((b"\xff\xfe-not-utf8", None, event(f"{run}-UNPARSABLE")))
+    if sys.argv[5:] == ["unparsable"]:
+        messages = [(b"\xff\xfe-not-utf8", None, event(f"{run}-UNPARSABLE"))]
     for prop, header, payload in messages:
         properties = pika.BasicProperties(delivery_mode=2, message_id=prop,
                                           headers={"message-id": header} if header is not None else None)
@@ -84,7 +96,9 @@ else:
     sys.exit(1 if producer.flush(30) else 0)
 "#;
     let output = tokio::process::Command::new("python3")
-        .args(["-c", script, kind, target, source, run])
+        .arg("-c")
+        .arg(script)
+        .args(args)
         .output()
         .await
         .expect("python3 runs");
