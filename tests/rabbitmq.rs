@@ -513,7 +513,7 @@ async fn hostile_input_from_another_client() {
     )
     .await;
     hostile::publish_all("amqp", &url, &source, &run).await;
-    let dead_letter = format!("{source}.dead-letter");
+    let dead_letter = inbox::default_dead_letter_destination(&source);
     hostile::assert_settled(&demo, &run, || async {
         transport
             .peek_messages(&dead_letter, 1000)

@@ -22,11 +22,13 @@ mod outage;
 pub mod replay;
 mod retry;
 pub mod store;
+mod trace;
 mod transport;
 
 pub use cleanup::Cleanup;
 pub use consumer::{
-    AfterCommit, Batching, Consumer, ConsumerReport, TRACEPARENT, TraceParent, dead_letter_headers,
+    AfterCommit, Batching, Consumer, ConsumerReport, dead_letter_headers,
+    default_dead_letter_destination,
 };
 pub use error::{
     BoxError, ConsumerError, ErrorKind, HandlerError, InvalidName, StoreError, TransportError,
@@ -45,6 +47,7 @@ pub use store::postgres::{PgTx, PostgresStore};
 #[cfg(feature = "sqlite")]
 pub use store::sqlite::{SqliteStore, SqliteTx};
 pub use store::{Claim, CleanupReport, ConsumerStats, DeadLetter, InboxStore};
+pub use trace::{TRACEPARENT, TraceParent};
 pub use transport::{AckToken, Capabilities, Delivery, DeliveryStream, Subscription, Transport};
 
 /// Re-exported so handlers and transports name the same versions.

@@ -184,7 +184,7 @@ pub trait Transport: Send + Sync + fmt::Debug {
         destination: &str,
         message: OutgoingMessage,
     ) -> Result<(), TransportError>;
-    /// Reads a dead-letter destination, for an operator's [replay](crate::replay): a stream of
+    /// Reads a dead-letter destination, for an operator's [replay](mod@crate::replay): a stream of
     /// the messages it holds, which ends once everything it held at the call was delivered.
     /// Acking a delivery removes it from the destination where the broker can remove single
     /// messages (a Kafka log keeps it); dropping or nacking it leaves it there.

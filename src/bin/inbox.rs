@@ -339,7 +339,7 @@ async fn replay<S: InboxStore>(store: &S, args: ReplayArgs) -> Result<ExitCode, 
     let consumer = ConsumerName::new(args.consumer)?;
     let destination = match (args.dead_letter, args.source) {
         (Some(d), _) => d,
-        (None, Some(source)) => format!("{source}.dead-letter"),
+        (None, Some(source)) => inbox::default_dead_letter_destination(&source),
         (None, None) => unreachable!("clap requires one"),
     };
     let which = if args.all {

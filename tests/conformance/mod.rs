@@ -275,7 +275,7 @@ impl<D: TestDb> Scenario<D> {
 
     /// The dead-letter destination of this run's source.
     pub fn dead_letter_destination(&self) -> String {
-        format!("{}.dead-letter", self.source)
+        inbox::default_dead_letter_destination(&self.source)
     }
 
     /// A consumer with fast retries, ready to run.

@@ -132,11 +132,10 @@ impl InboxStore for PostgresStore {
             .execute(&mut **conn)
             .await
             .map_err(store_error)?;
-        static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/postgres");
         let result = async {
             super::migrate::apply!(
                 &mut **conn,
-                &MIGRATOR,
+                &inbox_migrations::POSTGRES,
                 create = "CREATE TABLE IF NOT EXISTS inbox_schema_migrations (
                     version bigint PRIMARY KEY, description text NOT NULL,
                     checksum bytea NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())",

@@ -95,10 +95,9 @@ impl InboxStore for SqliteStore {
 
     async fn migrate(&self) -> Result<(), StoreError> {
         let mut conn = self.pool.acquire().await.map_err(store_error)?;
-        static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
         super::migrate::apply!(
             &mut *conn,
-            &MIGRATOR,
+            &inbox_migrations::SQLITE,
             create = "CREATE TABLE IF NOT EXISTS inbox_schema_migrations (
                 version INTEGER PRIMARY KEY, description TEXT NOT NULL,
                 checksum BLOB NOT NULL, applied_at TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')))",
