@@ -26,10 +26,11 @@ use std::time::{Duration, Instant};
 use clap::{Parser, ValueEnum};
 use futures::StreamExt;
 use inbox::memory::MemoryBroker;
+use inbox::transport::{AckToken, Capabilities, Delivery, DeliveryStream, Subscription};
 use inbox::{
-    AckToken, Batching, CancellationToken, Capabilities, Consumer, ConsumerName, Delivery,
-    DeliveryStream, Handler, HandlerError, Headers, InboxStore, Message, OutgoingMessage, PgTx,
-    PostgresStore, Subscription, Transport, TransportError, async_trait,
+    Batching, CancellationToken, Consumer, ConsumerName, Handler, HandlerError, Headers,
+    InboxAdmin, Message, OutgoingMessage, PgTx, PostgresStore, Transport, TransportError,
+    async_trait,
 };
 use sqlx::{Connection, Executor, PgPool};
 use tokio::sync::Semaphore;

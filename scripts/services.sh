@@ -6,6 +6,10 @@ PG_HOST=127.0.0.1
 PG_PORT=5432
 
 say() { printf '[services] %s\n' "$*" >&2; }
+
+# Stops what the functions below started (a tansu they ran); scripts/test calls it on exit.
+services_cleanup() { if [ -n "${TANSU_PID:-}" ]; then kill "$TANSU_PID" 2>/dev/null || true; fi; }
+trap services_cleanup EXIT
 die() { printf '[services] FAILED: %s\n' "$*" >&2; exit 1; }
 
 wait_for() { # wait_for DESCRIPTION SECONDS COMMAND...
@@ -96,7 +100,6 @@ ensure_kafka() {
       --advertised-listener-url "tcp://$KAFKA_HOST:$KAFKA_PORT" \
       --storage-engine memory://tansu/ >"$TANSU_LOG" 2>&1 &
     TANSU_PID=$!
-    trap 'kill "$TANSU_PID" 2>/dev/null || true' EXIT
     wait_for "tansu on $KAFKA_HOST:$KAFKA_PORT (log: $TANSU_LOG)" 60 kafka_port_open
   fi
   export KAFKA_BROKERS="$KAFKA_HOST:$KAFKA_PORT"

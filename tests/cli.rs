@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use conformance::stores::Postgres;
 use conformance::{BrokerFactory, Running, Scenario, Script, eventually, services};
 use inbox::memory::Faults;
-use inbox::{InboxStore, PostgresStore};
+use inbox::{InboxAdmin, PostgresStore};
 use sqlx::Executor;
 
 /// Runs `inbox args…` with `DATABASE_URL = database` (none with `None`) and the broker URLs.

@@ -484,7 +484,7 @@ impl Broker {
     /// lost.
     async fn prepare(&self) {
         for consumer in ["notification", "carrier-assignment"] {
-            let subscription = inbox::Subscription::new(
+            let subscription = inbox::transport::Subscription::new(
                 self.source.clone(),
                 inbox::ConsumerName::new(consumer).unwrap(),
                 1,

@@ -76,7 +76,7 @@ async fn hostile_input_from_another_client() {
     transport.create_topics(&[&source]).await.unwrap();
     let demo = DemoConsumer::start("kafka", &source, &[("KAFKA_BROKERS", brokers.clone())]).await;
     hostile::publish_all("kafka", &brokers, &source, &run).await;
-    let dead_letter = inbox::default_dead_letter_destination(&source);
+    let dead_letter = inbox::dead_letter::default_destination(&source);
     hostile::assert_settled(&demo, &run, || async {
         transport.read_topic(&dead_letter).await.unwrap_or_default()
     })

@@ -29,7 +29,8 @@ mod postgres_claims {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use inbox::memory::Faults;
-    use inbox::{Claim, ConsumerName, InboxStore, MessageId, PostgresStore};
+    use inbox::store::Claim;
+    use inbox::{ConsumerName, InboxStore, MessageId, PostgresStore};
 
     use crate::conformance::memory::Memory;
     use crate::conformance::stores::Postgres;

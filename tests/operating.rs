@@ -10,9 +10,10 @@ use std::time::{Duration, Instant};
 use conformance::eventually;
 use conformance::stores::Postgres;
 use inbox::memory::MemoryBroker;
+use inbox::transport::Subscription;
 use inbox::{
-    CancellationToken, Cleanup, Consumer, ConsumerName, Handler, HandlerError, InboxStore, Message,
-    OutgoingMessage, PgTx, PostgresStore, Subscription, Transport, async_trait,
+    CancellationToken, Cleanup, Consumer, ConsumerName, Handler, HandlerError, InboxAdmin, Message,
+    OutgoingMessage, PgTx, PostgresStore, Transport, async_trait,
 };
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use sqlx::{Connection, Executor};

@@ -253,7 +253,8 @@ fn hostile() -> impl Strategy<Value = Hostile> {
 /// is handled. On PostgreSQL, which refuses NUL in text (the `kind` strings often carry one into
 /// the decoder's error message).
 async fn hostile_messages(messages: Vec<Hostile>) {
-    use inbox::{OutgoingMessage, dead_letter_headers};
+    use inbox::OutgoingMessage;
+    use inbox::dead_letter::headers as dead_letter_headers;
 
     // PostgreSQL: the database that refuses NUL in text.
     let db = Arc::new(Postgres);

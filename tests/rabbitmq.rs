@@ -12,6 +12,7 @@ use conformance::stores::Postgres;
 use conformance::{Running, Scenario, Script, eventually};
 use inbox::memory::Faults;
 use inbox::rabbitmq::QueueType;
+use inbox::rabbitmq::testing::Inspect as _;
 
 conformance_suite!(
     rabbitmq_postgres,
@@ -162,7 +163,8 @@ async fn server_closes_all_connections_mid_stream() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ack_after_the_connection_died_is_reported_lost() {
     use futures::StreamExt;
-    use inbox::{ConsumerName, OutgoingMessage, Subscription, Transport, TransportError};
+    use inbox::transport::Subscription;
+    use inbox::{ConsumerName, OutgoingMessage, Transport, TransportError};
 
     let vhost = "inbox-ack-lost-test";
     let brokers = RabbitMq {
@@ -173,7 +175,10 @@ async fn an_ack_after_the_connection_died_is_reported_lost() {
     let transport = broker.transport.clone();
     let source = format!("ack-lost.{}", uuid::Uuid::new_v4().simple());
     let consumer = ConsumerName::new("c").unwrap();
-    transport.declare(&source, "c").await.unwrap();
+    transport
+        .declare_consumer_queue(&source, "c")
+        .await
+        .unwrap();
     transport
         .publish(&source, OutgoingMessage::new("m-1", "x"))
         .await
@@ -189,7 +194,9 @@ async fn an_ack_after_the_connection_died_is_reported_lost() {
         .await
         .expect("the stream notices");
     assert!(matches!(ended, None | Some(Err(_))), "{ended:?}");
-    let acked = delivery.ack(inbox::AckToken::for_transport_tests()).await;
+    let acked = delivery
+        .ack(inbox::transport::AckToken::for_transport_tests())
+        .await;
     assert!(
         matches!(acked, Err(TransportError::AckLost(_))),
         "{acked:?}"
@@ -455,7 +462,8 @@ connection.close()
 /// lacks, instead of failing the subscription.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queue_declared_with_other_arguments_is_used_as_it_is() {
-    use inbox::{ConsumerName, Subscription, Transport};
+    use inbox::transport::Subscription;
+    use inbox::{ConsumerName, Transport};
 
     let source = format!("inequivalent.{}", uuid::Uuid::new_v4().simple());
     let older = RabbitMq {
@@ -464,11 +472,15 @@ async fn a_queue_declared_with_other_arguments_is_used_as_it_is() {
     }
     .start_rabbit()
     .await;
-    older.transport.declare(&source, "c").await.unwrap();
+    older
+        .transport
+        .declare_consumer_queue(&source, "c")
+        .await
+        .unwrap();
     let newer = RabbitMq::new(QueueType::Quorum).start_rabbit().await;
     newer
         .transport
-        .declare(&source, "c")
+        .declare_consumer_queue(&source, "c")
         .await
         .expect("the existing queue is used as it is");
     let subscription = Subscription::new(source.clone(), ConsumerName::new("c").unwrap(), 1);
@@ -500,7 +512,10 @@ async fn hostile_input_from_another_client() {
             .delivery_limit(Some(3)),
     );
     for consumer in ["notification", "carrier-assignment"] {
-        transport.declare(&source, consumer).await.unwrap();
+        transport
+            .declare_consumer_queue(&source, consumer)
+            .await
+            .unwrap();
     }
     let demo = DemoConsumer::start(
         "rabbitmq",
@@ -513,7 +528,7 @@ async fn hostile_input_from_another_client() {
     )
     .await;
     hostile::publish_all("amqp", &url, &source, &run).await;
-    let dead_letter = inbox::default_dead_letter_destination(&source);
+    let dead_letter = inbox::dead_letter::default_destination(&source);
     hostile::assert_settled(&demo, &run, || async {
         transport
             .peek_messages(&dead_letter, 1000)

@@ -15,8 +15,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use domain::{CarrierAssignment, Notification, Report};
 use inbox::memory::{Faults, MemoryBroker};
 use inbox::{
-    CancellationToken, Consumer, ConsumerName, Handler, InboxStore, OutgoingMessage, PostgresStore,
-    SqliteStore, Transport,
+    CancellationToken, Consumer, ConsumerName, Handler, InboxAdmin, InboxStore, OutgoingMessage,
+    PostgresStore, SqliteStore, Transport,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -425,7 +425,7 @@ async fn publish(args: PublishArgs) -> Result<ExitCode, Error> {
     // Queues (or groups) first, so that nothing published before the consumers start is lost.
     for name in consumer_names(Which::Both) {
         let subscription =
-            inbox::Subscription::new(args.source.clone(), ConsumerName::new(name)?, 1);
+            inbox::transport::Subscription::new(args.source.clone(), ConsumerName::new(name)?, 1);
         transport.declare(&subscription).await?;
     }
     let published =

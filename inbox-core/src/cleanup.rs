@@ -1,4 +1,4 @@
-//! Retention: deleting processed rows once no copy of their message can come back (DESIGN.md
+//! Retention: deleting processed rows once no copy of their message can come back (`docs/design.md`
 //! "Cleanup").
 //!
 //! A processed row is what makes a redelivered copy a duplicate. Deleting it before the broker
@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::StoreError;
 use crate::metrics::CLEANUP_DELETED;
-use crate::store::{CleanupReport, InboxStore};
+use crate::store::{CleanupReport, InboxAdmin};
 
 /// Deletes processed rows older than a retention window: once ([`run_once`](Self::run_once)) or
 /// every interval in the background ([`run`](Self::run)). Dead-lettered rows are kept.
@@ -43,7 +43,7 @@ pub struct Cleanup<S> {
 /// a week of messages.
 const DEFAULT_HORIZON: Duration = Duration::from_secs(7 * 24 * 3600);
 
-impl<S: InboxStore> Cleanup<S> {
+impl<S: InboxAdmin> Cleanup<S> {
     /// Cleanup of rows processed more than `retention` ago, every 10 minutes, 10 000 rows per
     /// transaction, assuming copies can come back for 7 days (see
     /// [`redelivery_horizon`](Self::redelivery_horizon)).

@@ -40,13 +40,13 @@ pub use id::{
     MessageId,
 };
 pub use message::{Headers, Message, OutgoingMessage};
-pub use replay::{Replay, ReplayError, ReplayReport, replay};
+pub use replay::{Replay, ReplayError, ReplayReport, replay_dead_letters};
 pub use retry::RetryPolicy;
 #[cfg(feature = "postgres")]
 pub use store::postgres::{PgTx, PostgresStore};
 #[cfg(feature = "sqlite")]
 pub use store::sqlite::{SqliteStore, SqliteTx};
-pub use store::{Claim, CleanupReport, ConsumerStats, DeadLetter, InboxStore};
+pub use store::{Claim, CleanupReport, ConsumerStats, DeadLetter, InboxAdmin, InboxStore};
 pub use trace::{TRACEPARENT, TraceParent};
 pub use transport::{AckToken, Capabilities, Delivery, DeliveryStream, Subscription, Transport};
 

@@ -21,7 +21,7 @@ use crate::consumer::dead_letter_headers as h;
 use crate::error::{ErrorKind, StoreError, TransportError};
 use crate::id::{ConsumerName, MessageId};
 use crate::message::{Headers, OutgoingMessage};
-use crate::store::InboxStore;
+use crate::store::InboxAdmin;
 use crate::transport::{AckToken, Delivery, Transport};
 
 /// Which dead-lettered messages to replay.
@@ -78,7 +78,7 @@ pub struct ReplayReport {
 /// Replays dead-lettered messages of `consumer` from `dead_letter_destination` (the consumer's
 /// dead-letter destination, by default `"<source>.dead-letter"`). See the [module](self) docs.
 ///
-pub async fn replay<S: InboxStore>(
+pub async fn replay_dead_letters<S: InboxAdmin>(
     transport: &dyn Transport,
     store: &S,
     consumer: &ConsumerName,
@@ -138,7 +138,7 @@ pub async fn replay<S: InboxStore>(
             let message_id = MessageId::new(id.clone())
                 .map_err(|e| ReplayError::InvalidLetter(format!("{id:?}: {e}")))?;
             let mut tx = store.begin().await?;
-            if !store.revive(&mut tx, consumer, &message_id).await? {
+            if !store.revive_in(&mut tx, consumer, &message_id).await? {
                 // Replayed by someone else since we looked.
                 let _ = store.rollback(tx).await;
                 wanted.remove(&id);

@@ -8,10 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use inbox::{
-    Cleanup, ConsumerName, ConsumerStats, DeadLetter, InboxStore, MessageId, PostgresStore, Replay,
-    SqliteStore, Transport,
-};
+use inbox::dead_letter::Replay;
+use inbox::store::{ConsumerStats, DeadLetter};
+use inbox::{Cleanup, ConsumerName, InboxAdmin, MessageId, PostgresStore, SqliteStore, Transport};
 
 /// Operate an inbox table: migrate it, see what it holds, clean it up, and replay dead letters.
 #[derive(Parser)]
@@ -144,7 +143,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
     }
 }
 
-async fn command<S: InboxStore + Clone>(command: Command, store: S) -> Result<ExitCode, Error> {
+async fn command<S: InboxAdmin + Clone>(command: Command, store: S) -> Result<ExitCode, Error> {
     match command {
         Command::Migrate => {
             store.migrate().await?;
@@ -296,7 +295,7 @@ fn age(d: Duration) -> String {
     text
 }
 
-async fn cleanup<S: InboxStore + Clone>(store: S, args: CleanupArgs) -> Result<(), Error> {
+async fn cleanup<S: InboxAdmin + Clone>(store: S, args: CleanupArgs) -> Result<(), Error> {
     let cleanup = Cleanup::new(store.clone(), args.older_than)
         .batch_size(args.batch_size)
         .redelivery_horizon(args.redelivery_horizon);
@@ -335,11 +334,11 @@ async fn cleanup<S: InboxStore + Clone>(store: S, args: CleanupArgs) -> Result<(
     Ok(())
 }
 
-async fn replay<S: InboxStore>(store: &S, args: ReplayArgs) -> Result<ExitCode, Error> {
+async fn replay<S: InboxAdmin>(store: &S, args: ReplayArgs) -> Result<ExitCode, Error> {
     let consumer = ConsumerName::new(args.consumer)?;
     let destination = match (args.dead_letter, args.source) {
         (Some(d), _) => d,
-        (None, Some(source)) => inbox::default_dead_letter_destination(&source),
+        (None, Some(source)) => inbox::dead_letter::default_destination(&source),
         (None, None) => unreachable!("clap requires one"),
     };
     let which = if args.all {
@@ -353,7 +352,8 @@ async fn replay<S: InboxStore>(store: &S, args: ReplayArgs) -> Result<ExitCode, 
         )
     };
     let transport = transport(args.transport)?;
-    let report = inbox::replay(&*transport, store, &consumer, &destination, which).await?;
+    let report =
+        inbox::dead_letter::replay(&*transport, store, &consumer, &destination, which).await?;
     println!(
         "replayed {} (read {} dead letters from {destination})",
         report.replayed.len(),

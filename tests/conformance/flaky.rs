@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use inbox::store::{CleanupReport, ConsumerStats, DeadLetter};
-use inbox::{Claim, ConsumerName, InboxStore, MessageId, StoreError};
+use inbox::store::{Claim, ConsumerStats, DeadLetter};
+use inbox::{CleanupReport, ConsumerName, InboxAdmin, InboxStore, MessageId, StoreError};
 
 /// The store methods a fault can be aimed at.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -192,15 +192,12 @@ fn splitmix(state: &mut u64) -> f64 {
 impl<S: InboxStore> InboxStore for FlakyStore<S> {
     type Tx = S::Tx;
 
-    async fn migrate(&self) -> Result<(), StoreError> {
-        self.check()?;
-        self.inner.migrate().await
-    }
     async fn begin(&self) -> Result<S::Tx, StoreError> {
         self.enter(Method::Begin, None)?;
         self.begun.fetch_add(1, Ordering::SeqCst);
         self.inner.begin().await
     }
+
     async fn claim(
         &self,
         tx: &mut S::Tx,
@@ -210,6 +207,7 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
         self.enter(Method::Claim, Some(id))?;
         self.inner.claim(tx, consumer, id).await
     }
+
     async fn claim_batch(
         &self,
         tx: &mut S::Tx,
@@ -219,21 +217,26 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
         self.enter(Method::ClaimBatch, None)?;
         self.inner.claim_batch(tx, consumer, ids).await
     }
+
     fn max_batch(&self) -> Option<usize> {
         self.inner.max_batch()
     }
+
     async fn savepoint(&self, tx: &mut S::Tx) -> Result<(), StoreError> {
         self.enter(Method::Savepoint, None)?;
         self.inner.savepoint(tx).await
     }
+
     async fn rollback_to_savepoint(&self, tx: &mut S::Tx) -> Result<(), StoreError> {
         self.enter(Method::RollbackToSavepoint, None)?;
         self.inner.rollback_to_savepoint(tx).await
     }
+
     async fn release_savepoint(&self, tx: &mut S::Tx) -> Result<(), StoreError> {
         self.enter(Method::ReleaseSavepoint, None)?;
         self.inner.release_savepoint(tx).await
     }
+
     async fn release_claim(
         &self,
         tx: &mut S::Tx,
@@ -244,7 +247,8 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
         self.enter(Method::ReleaseClaim, Some(id))?;
         self.inner.release_claim(tx, consumer, id, failure).await
     }
-    async fn mark_dead_claimed(
+
+    async fn record_dead_in(
         &self,
         tx: &mut S::Tx,
         consumer: &ConsumerName,
@@ -254,9 +258,10 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
     ) -> Result<(), StoreError> {
         self.enter(Method::MarkDeadClaimed, Some(id))?;
         self.inner
-            .mark_dead_claimed(tx, consumer, id, attempts, reason)
+            .record_dead_in(tx, consumer, id, attempts, reason)
             .await
     }
+
     async fn commit(&self, tx: S::Tx) -> Result<(), StoreError> {
         self.check()?;
         match self.fault(Method::Commit, None) {
@@ -271,9 +276,11 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
             }
         }
     }
+
     async fn rollback(&self, tx: S::Tx) -> Result<(), StoreError> {
         self.inner.rollback(tx).await
     }
+
     async fn record_failure(
         &self,
         consumer: &ConsumerName,
@@ -286,14 +293,16 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
             .record_failure(consumer, id, attempt, error)
             .await
     }
-    async fn note_delivery(
+
+    async fn record_delivery(
         &self,
         consumer: &ConsumerName,
         id: &MessageId,
     ) -> Result<u32, StoreError> {
         self.enter(Method::NoteDelivery, Some(id))?;
-        self.inner.note_delivery(consumer, id).await
+        self.inner.record_delivery(consumer, id).await
     }
+
     async fn record_dead(
         &self,
         consumer: &ConsumerName,
@@ -304,15 +313,33 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
         self.enter(Method::RecordDead, Some(id))?;
         self.inner.record_dead(consumer, id, attempts, reason).await
     }
-    async fn revive(
+
+    async fn revive_in(
         &self,
         tx: &mut S::Tx,
         consumer: &ConsumerName,
         id: &MessageId,
     ) -> Result<bool, StoreError> {
         self.enter(Method::Revive, Some(id))?;
-        self.inner.revive(tx, consumer, id).await
+        self.inner.revive_in(tx, consumer, id).await
     }
+
+    async fn stats(
+        &self,
+        consumer: Option<&ConsumerName>,
+    ) -> Result<Vec<ConsumerStats>, StoreError> {
+        self.check()?;
+        self.inner.stats(consumer).await
+    }
+}
+
+#[async_trait]
+impl<S: InboxAdmin> InboxAdmin for FlakyStore<S> {
+    async fn migrate(&self) -> Result<(), StoreError> {
+        self.check()?;
+        self.inner.migrate().await
+    }
+
     async fn dead_letters(
         &self,
         consumer: Option<&ConsumerName>,
@@ -321,6 +348,7 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
         self.check()?;
         self.inner.dead_letters(consumer, limit).await
     }
+
     async fn cleanup_with_progress(
         &self,
         older_than: Duration,
@@ -332,15 +360,9 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
             .cleanup_with_progress(older_than, batch_size, progress)
             .await
     }
+
     async fn count_expired(&self, older_than: Duration) -> Result<u64, StoreError> {
         self.check()?;
         self.inner.count_expired(older_than).await
-    }
-    async fn stats(
-        &self,
-        consumer: Option<&ConsumerName>,
-    ) -> Result<Vec<ConsumerStats>, StoreError> {
-        self.check()?;
-        self.inner.stats(consumer).await
     }
 }

@@ -5,7 +5,8 @@
 
 use std::collections::HashMap;
 
-use inbox::{OutgoingMessage, dead_letter_headers as h};
+use inbox::OutgoingMessage;
+use inbox::dead_letter::headers as h;
 
 use super::demo::DemoConsumer;
 use super::eventually;

@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use inbox::kafka::testing::Inspect as _;
 use inbox::kafka::{KafkaConfig, KafkaTransport};
 use inbox::memory::Faults;
 use inbox::{ConsumerName, OutgoingMessage, Transport};

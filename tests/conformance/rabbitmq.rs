@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use inbox::memory::Faults;
+use inbox::rabbitmq::testing::Inspect as _;
 use inbox::rabbitmq::{QueueType, RabbitMqConfig, RabbitMqTransport, queue_name};
 use inbox::{ConsumerName, OutgoingMessage, Transport};
 
@@ -41,7 +42,7 @@ impl TestBroker for RabbitTestBroker {
     async fn prepare(&self, source: &str, consumers: &[&ConsumerName]) {
         for consumer in consumers {
             self.transport
-                .declare(source, consumer.as_str())
+                .declare_consumer_queue(source, consumer.as_str())
                 .await
                 .expect("declare the consumer queue");
         }

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use async_trait::async_trait;
-use inbox::{ConsumerName, InboxStore, PgTx, PostgresStore, SqliteStore, SqliteTx};
+use inbox::{ConsumerName, InboxAdmin, InboxStore, PgTx, PostgresStore, SqliteStore, SqliteTx};
 use sqlx::migrate::Migrator;
 use sqlx::{Connection, Executor};
 
@@ -22,7 +22,7 @@ pub struct InboxRow {
 /// A database the conformance suite can run on.
 #[async_trait]
 pub trait TestDb: Send + Sync + Sized + 'static {
-    type Store: InboxStore + Clone;
+    type Store: InboxAdmin + Clone;
     /// Whether several write transactions run at once (not on SQLite).
     const CONCURRENT_WRITERS: bool;
     /// Whether a failed statement aborts its transaction (PostgreSQL; not SQLite).

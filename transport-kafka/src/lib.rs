@@ -310,11 +310,6 @@ impl KafkaTransport {
         })
     }
 
-    /// Deliveries handed out and not yet acked or nacked.
-    pub fn unsettled(&self) -> usize {
-        self.unsettled.load(Ordering::SeqCst)
-    }
-
     /// Creates the topics that do not exist yet (the broker may not create them on first use).
     pub async fn create_topics(&self, names: &[&str]) -> Result<(), TransportError> {
         self.create(names, None).await
@@ -993,6 +988,26 @@ impl Delivery for KafkaDelivery {
 impl Drop for KafkaDelivery {
     fn drop(&mut self) {
         self.settle(Settlement::Abandoned);
+    }
+}
+
+/// What tests inspect on a transport: counts the engine never needs. Import the trait to call
+/// them; they are kept off the transport's own API.
+pub mod testing {
+    use std::sync::atomic::Ordering;
+
+    use super::KafkaTransport;
+
+    /// Inspection of a [`KafkaTransport`] for tests.
+    pub trait Inspect {
+        /// Deliveries handed out and not yet acked or nacked.
+        fn unsettled(&self) -> usize;
+    }
+
+    impl Inspect for KafkaTransport {
+        fn unsettled(&self) -> usize {
+            self.unsettled.load(Ordering::SeqCst)
+        }
     }
 }
 

@@ -259,49 +259,15 @@ impl RabbitMqTransport {
         Ok(transport)
     }
 
-    /// Connections opened so far (more than one means it reconnected).
-    pub fn connections_opened(&self) -> usize {
-        self.connections.load(Ordering::SeqCst)
-    }
-
-    /// Deliveries handed out by this transport and not yet acked or nacked.
-    pub fn unsettled(&self) -> usize {
-        self.unsettled.load(Ordering::SeqCst)
-    }
-
     /// Declares the source exchange and the consumer's queue, so that messages published from now
     /// on are kept for that consumer even before it subscribes.
-    pub async fn declare(&self, source: &str, consumer: &str) -> Result<(), TransportError> {
+    pub async fn declare_consumer_queue(
+        &self,
+        source: &str,
+        consumer: &str,
+    ) -> Result<(), TransportError> {
         check_consumer_name(consumer)?;
         self.declare_consumer(source, consumer).await
-    }
-
-    /// Messages ready in a consumer's queue (not counting unacknowledged ones).
-    pub async fn ready(&self, source: &str, consumer: &str) -> Result<u32, TransportError> {
-        let connection = self.connection().await?;
-        let channel = connection.create_channel().await.map_err(broker_error)?;
-        let queue = channel
-            .queue_declare(
-                short(&queue_name(source, consumer))?,
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(broker_error)?;
-        let _ = channel.close(200, "inspected".into()).await;
-        Ok(queue.message_count())
-    }
-
-    /// Takes up to `max` messages from `queue` (acking them): for reading a dead-letter queue.
-    pub async fn take_messages(
-        &self,
-        queue: &str,
-        max: usize,
-    ) -> Result<Vec<OutgoingMessage>, TransportError> {
-        self.get_messages(queue, max, true).await
     }
 
     /// Reads up to `max` messages of `queue` and leaves them there (they go back to the queue,
@@ -747,7 +713,8 @@ impl Transport for RabbitMqTransport {
     }
 
     async fn declare(&self, subscription: &Subscription) -> Result<(), TransportError> {
-        RabbitMqTransport::declare(self, &subscription.source, subscription.consumer.as_str()).await
+        self.declare_consumer_queue(&subscription.source, subscription.consumer.as_str())
+            .await
     }
 
     async fn subscribe(
@@ -1136,6 +1103,58 @@ impl Drop for RabbitDelivery {
                 self.unsettled.fetch_sub(1, Ordering::SeqCst);
                 self.subscription.release();
             }
+        }
+    }
+}
+
+/// What tests inspect on a transport: counts the engine never needs. Import the trait to call
+/// them; they are kept off the transport's own API.
+pub mod testing {
+    use std::sync::atomic::Ordering;
+
+    use inbox_core::TransportError;
+    use lapin::options::QueueDeclareOptions;
+    use lapin::types::FieldTable;
+
+    use super::{RabbitMqTransport, broker_error, queue_name, short};
+
+    /// Inspection of a [`RabbitMqTransport`] for tests.
+    #[async_trait::async_trait]
+    pub trait Inspect {
+        /// Connections opened so far (more than one means it reconnected).
+        fn connections_opened(&self) -> usize;
+        /// Deliveries handed out by this transport and not yet acked or nacked.
+        fn unsettled(&self) -> usize;
+        /// Messages ready in a consumer's queue (not counting unacknowledged ones).
+        async fn ready(&self, source: &str, consumer: &str) -> Result<u32, TransportError>;
+    }
+
+    #[async_trait::async_trait]
+    impl Inspect for RabbitMqTransport {
+        fn connections_opened(&self) -> usize {
+            self.connections.load(Ordering::SeqCst)
+        }
+
+        fn unsettled(&self) -> usize {
+            self.unsettled.load(Ordering::SeqCst)
+        }
+
+        async fn ready(&self, source: &str, consumer: &str) -> Result<u32, TransportError> {
+            let connection = self.connection().await?;
+            let channel = connection.create_channel().await.map_err(broker_error)?;
+            let queue = channel
+                .queue_declare(
+                    short(&queue_name(source, consumer))?,
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..QueueDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(broker_error)?;
+            let _ = channel.close(200, "inspected".into()).await;
+            Ok(queue.message_count())
         }
     }
 }

@@ -225,7 +225,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
                             .is_ok()
                     {
                         self.store
-                            .mark_dead_claimed(&mut tx, &self.name, id, attempt, &failure.reason)
+                            .record_dead_in(&mut tx, &self.name, id, attempt, &failure.reason)
                             .await?;
                         fates.push(Fate::DeadLettered(failure.reason));
                         continue;

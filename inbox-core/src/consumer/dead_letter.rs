@@ -67,7 +67,7 @@ impl<S: InboxStore, H> Run<S, H> {
         }
         let marked = async {
             self.store
-                .mark_dead_claimed(&mut tx, &self.name, id, attempts, reason)
+                .record_dead_in(&mut tx, &self.name, id, attempts, reason)
                 .await?;
             self.store.commit(tx).await
         };

@@ -151,7 +151,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
         let mut unfinished = None;
         if delivery.delivery_count().is_none() && delivery.redelivered() {
             match self
-                .retry_store(|| self.store.note_delivery(&self.name, &id))
+                .retry_store(|| self.store.record_delivery(&self.name, &id))
                 .await
             {
                 Ok(Some(n)) => unfinished = Some(n),

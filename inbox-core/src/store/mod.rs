@@ -109,18 +109,20 @@ pub struct CleanupReport {
     pub skipped_locked: bool,
 }
 
-/// The inbox table: the only place that knows SQL.
+/// The inbox table as the engine uses it per delivery: the only place that knows SQL.
 ///
 /// All statements bind their values as parameters. Implementations must keep the claim to one
-/// statement (see [`claim`](Self::claim)).
+/// statement (see [`claim`](Self::claim)). What operators and the CLI need besides — migrations,
+/// dead-letter listing, cleanup, replay — is [`InboxAdmin`].
+///
+/// Naming: a method that takes `tx` acts inside the caller's transaction; the others open and
+/// commit their own. Where both exist they share a name, the in-transaction one ending in `_in`
+/// ([`record_dead`](Self::record_dead) / [`record_dead_in`](Self::record_dead_in),
+/// [`InboxAdmin::revive`] / [`revive_in`](Self::revive_in)).
 #[async_trait]
 pub trait InboxStore: Send + Sync + 'static {
     /// The transaction a claim runs in and the handler writes through.
     type Tx: Send + 'static;
-
-    /// Creates or updates the inbox schema. Uses its own migration bookkeeping, so it does not
-    /// collide with the application's migrations.
-    async fn migrate(&self) -> Result<(), StoreError>;
 
     /// Begins a transaction (READ COMMITTED on PostgreSQL; a write transaction on SQLite).
     async fn begin(&self) -> Result<Self::Tx, StoreError>;
@@ -173,7 +175,7 @@ pub trait InboxStore: Send + Sync + 'static {
     ) -> Result<(), StoreError>;
 
     /// Turns a claimed row into a dead-lettered one, in the claim's transaction.
-    async fn mark_dead_claimed(
+    async fn record_dead_in(
         &self,
         tx: &mut Self::Tx,
         consumer: &ConsumerName,
@@ -202,8 +204,8 @@ pub trait InboxStore: Send + Sync + 'static {
     /// be a redelivery, on a broker that counts no deliveries itself (Kafka, classic RabbitMQ
     /// queues); returns the count, this one included — or 0 when the message is processed or
     /// dead by now. A count that keeps growing means the consumer keeps dying on the message
-    /// before any outcome is recorded. [`revive`](Self::revive) resets it.
-    async fn note_delivery(
+    /// before any outcome is recorded. [`revive_in`](Self::revive_in) resets it.
+    async fn record_delivery(
         &self,
         consumer: &ConsumerName,
         id: &MessageId,
@@ -222,21 +224,32 @@ pub trait InboxStore: Send + Sync + 'static {
     /// Clears the dead mark of a message in `tx`, with a fresh attempt and delivery budget, so that its next
     /// delivery is handled: the operator's replay. Returns whether there was such a dead row. The
     /// row stays locked until `tx` ends, so a copy delivered meanwhile waits for the outcome.
-    async fn revive(
+    async fn revive_in(
         &self,
         tx: &mut Self::Tx,
         consumer: &ConsumerName,
         id: &MessageId,
     ) -> Result<bool, StoreError>;
 
-    /// [`revive`](Self::revive) in a transaction of its own.
-    async fn clear_dead(
+    /// Counts per consumer (one consumer, or all). The engine samples them into gauges.
+    async fn stats(
         &self,
-        consumer: &ConsumerName,
-        id: &MessageId,
-    ) -> Result<bool, StoreError> {
+        consumer: Option<&ConsumerName>,
+    ) -> Result<Vec<ConsumerStats>, StoreError>;
+}
+
+/// What operators and the CLI need of an inbox table besides the engine's protocol: creating it,
+/// listing and reviving dead letters, cleanup.
+#[async_trait]
+pub trait InboxAdmin: InboxStore {
+    /// Creates or updates the inbox schema. Uses its own migration bookkeeping, so it does not
+    /// collide with the application's migrations.
+    async fn migrate(&self) -> Result<(), StoreError>;
+
+    /// [`revive_in`](InboxStore::revive_in) in a transaction of its own.
+    async fn revive(&self, consumer: &ConsumerName, id: &MessageId) -> Result<bool, StoreError> {
         let mut tx = self.begin().await?;
-        let revived = self.revive(&mut tx, consumer, id).await?;
+        let revived = self.revive_in(&mut tx, consumer, id).await?;
         self.commit(tx).await?;
         Ok(revived)
     }
@@ -272,12 +285,6 @@ pub trait InboxStore: Send + Sync + 'static {
 
     /// How many rows a cleanup with `older_than` would delete now (processed, older).
     async fn count_expired(&self, older_than: Duration) -> Result<u64, StoreError>;
-
-    /// Counts per consumer (one consumer, or all).
-    async fn stats(
-        &self,
-        consumer: Option<&ConsumerName>,
-    ) -> Result<Vec<ConsumerStats>, StoreError>;
 }
 
 /// The pool's `after_release` hook: `false` (close the connection) when it comes back still

@@ -7,7 +7,8 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Postgres};
 
 use super::{
-    Claim, CleanupReport, ConsumerStats, DeadLetter, InboxStore, storable_error, store_error,
+    Claim, CleanupReport, ConsumerStats, DeadLetter, InboxAdmin, InboxStore, storable_error,
+    store_error,
 };
 use crate::error::StoreError;
 use crate::id::{ConsumerName, MessageId};
@@ -124,35 +125,6 @@ RETURNING message_id, attempts, last_error";
 impl InboxStore for PostgresStore {
     type Tx = PgTx;
 
-    async fn migrate(&self) -> Result<(), StoreError> {
-        let mut held = LockedSession(Some(self.pool.acquire().await.map_err(store_error)?));
-        let conn = held.0.as_mut().expect("just set");
-        sqlx::query("SELECT pg_advisory_lock($1)")
-            .bind(MIGRATE_LOCK)
-            .execute(&mut **conn)
-            .await
-            .map_err(store_error)?;
-        let result = async {
-            super::migrate::apply!(
-                &mut **conn,
-                &inbox_migrations::POSTGRES,
-                create = "CREATE TABLE IF NOT EXISTS inbox_schema_migrations (
-                    version bigint PRIMARY KEY, description text NOT NULL,
-                    checksum bytea NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())",
-                insert = "INSERT INTO inbox_schema_migrations (version, description, checksum) VALUES ($1, $2, $3)"
-            )
-        }
-        .await;
-        let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
-            .bind(MIGRATE_LOCK)
-            .execute(&mut **conn)
-            .await;
-        if unlocked.is_ok() {
-            held.release();
-        }
-        result
-    }
-
     async fn begin(&self) -> Result<PgTx, StoreError> {
         self.pool
             .begin_with(self.begin.clone())
@@ -266,7 +238,7 @@ impl InboxStore for PostgresStore {
         Ok(())
     }
 
-    async fn mark_dead_claimed(
+    async fn record_dead_in(
         &self,
         tx: &mut PgTx,
         consumer: &ConsumerName,
@@ -330,7 +302,7 @@ impl InboxStore for PostgresStore {
         Ok(attempts.unwrap_or(attempt as i32).max(0) as u32)
     }
 
-    async fn note_delivery(
+    async fn record_delivery(
         &self,
         consumer: &ConsumerName,
         id: &MessageId,
@@ -374,7 +346,7 @@ impl InboxStore for PostgresStore {
         Ok(())
     }
 
-    async fn revive(
+    async fn revive_in(
         &self,
         tx: &mut PgTx,
         consumer: &ConsumerName,
@@ -391,6 +363,62 @@ impl InboxStore for PostgresStore {
         .await
         .map_err(store_error)?;
         Ok(done.rows_affected() > 0)
+    }
+
+    async fn stats(
+        &self,
+        consumer: Option<&ConsumerName>,
+    ) -> Result<Vec<ConsumerStats>, StoreError> {
+        let rows: Vec<(String, i64, i64, i64, i64, i64, Option<f64>)> = sqlx::query_as(
+            "SELECT consumer,
+                    count(*),
+                    count(processed_at),
+                    count(*) FILTER (WHERE processed_at > now() - interval '1 hour'),
+                    count(*) FILTER (WHERE processed_at IS NULL AND dead_lettered_at IS NULL),
+                    count(dead_lettered_at),
+                    EXTRACT(EPOCH FROM now() - min(received_at)
+                        FILTER (WHERE processed_at IS NULL AND dead_lettered_at IS NULL))::float8
+             FROM inbox_messages
+             WHERE $1::text IS NULL OR consumer = $1
+             GROUP BY consumer ORDER BY consumer",
+        )
+        .bind(consumer.map(|c| c.as_str()))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(store_error)?;
+        Ok(rows.into_iter().map(ConsumerStats::from_row).collect())
+    }
+}
+
+#[async_trait]
+impl InboxAdmin for PostgresStore {
+    async fn migrate(&self) -> Result<(), StoreError> {
+        let mut held = LockedSession(Some(self.pool.acquire().await.map_err(store_error)?));
+        let conn = held.0.as_mut().expect("just set");
+        sqlx::query("SELECT pg_advisory_lock($1)")
+            .bind(MIGRATE_LOCK)
+            .execute(&mut **conn)
+            .await
+            .map_err(store_error)?;
+        let result = async {
+            super::migrate::apply!(
+                &mut **conn,
+                &inbox_migrations::POSTGRES,
+                create = "CREATE TABLE IF NOT EXISTS inbox_schema_migrations (
+                    version bigint PRIMARY KEY, description text NOT NULL,
+                    checksum bytea NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())",
+                insert = "INSERT INTO inbox_schema_migrations (version, description, checksum) VALUES ($1, $2, $3)"
+            )
+        }
+        .await;
+        let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(MIGRATE_LOCK)
+            .execute(&mut **conn)
+            .await;
+        if unlocked.is_ok() {
+            held.release();
+        }
+        result
     }
 
     async fn dead_letters(
@@ -491,29 +519,5 @@ impl InboxStore for PostgresStore {
         .await
         .map_err(store_error)?;
         Ok(u64::try_from(n).unwrap_or(0))
-    }
-
-    async fn stats(
-        &self,
-        consumer: Option<&ConsumerName>,
-    ) -> Result<Vec<ConsumerStats>, StoreError> {
-        let rows: Vec<(String, i64, i64, i64, i64, i64, Option<f64>)> = sqlx::query_as(
-            "SELECT consumer,
-                    count(*),
-                    count(processed_at),
-                    count(*) FILTER (WHERE processed_at > now() - interval '1 hour'),
-                    count(*) FILTER (WHERE processed_at IS NULL AND dead_lettered_at IS NULL),
-                    count(dead_lettered_at),
-                    EXTRACT(EPOCH FROM now() - min(received_at)
-                        FILTER (WHERE processed_at IS NULL AND dead_lettered_at IS NULL))::float8
-             FROM inbox_messages
-             WHERE $1::text IS NULL OR consumer = $1
-             GROUP BY consumer ORDER BY consumer",
-        )
-        .bind(consumer.map(|c| c.as_str()))
-        .fetch_all(&self.pool)
-        .await
-        .map_err(store_error)?;
-        Ok(rows.into_iter().map(ConsumerStats::from_row).collect())
     }
 }

@@ -9,7 +9,8 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::{Sqlite, SqlitePool};
 
 use super::{
-    Claim, CleanupReport, ConsumerStats, DeadLetter, InboxStore, storable_error, store_error,
+    Claim, CleanupReport, ConsumerStats, DeadLetter, InboxAdmin, InboxStore, storable_error,
+    store_error,
 };
 use crate::error::StoreError;
 use crate::id::{ConsumerName, MessageId};
@@ -92,18 +93,6 @@ impl SqliteStore {
 #[async_trait]
 impl InboxStore for SqliteStore {
     type Tx = SqliteTx;
-
-    async fn migrate(&self) -> Result<(), StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(store_error)?;
-        super::migrate::apply!(
-            &mut *conn,
-            &inbox_migrations::SQLITE,
-            create = "CREATE TABLE IF NOT EXISTS inbox_schema_migrations (
-                version INTEGER PRIMARY KEY, description TEXT NOT NULL,
-                checksum BLOB NOT NULL, applied_at TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')))",
-            insert = "INSERT INTO inbox_schema_migrations (version, description, checksum) VALUES ($1, $2, $3)"
-        )
-    }
 
     async fn begin(&self) -> Result<SqliteTx, StoreError> {
         // Take the write lock up front: a deferred transaction that reads first can fail to
@@ -232,7 +221,7 @@ impl InboxStore for SqliteStore {
         Ok(())
     }
 
-    async fn mark_dead_claimed(
+    async fn record_dead_in(
         &self,
         tx: &mut SqliteTx,
         consumer: &ConsumerName,
@@ -292,7 +281,7 @@ impl InboxStore for SqliteStore {
             .clamp(0, i64::from(u32::MAX)) as u32)
     }
 
-    async fn note_delivery(
+    async fn record_delivery(
         &self,
         consumer: &ConsumerName,
         id: &MessageId,
@@ -336,7 +325,7 @@ impl InboxStore for SqliteStore {
         Ok(())
     }
 
-    async fn revive(
+    async fn revive_in(
         &self,
         tx: &mut SqliteTx,
         consumer: &ConsumerName,
@@ -352,6 +341,44 @@ impl InboxStore for SqliteStore {
         .await
         .map_err(store_error)?;
         Ok(done.rows_affected() > 0)
+    }
+
+    async fn stats(
+        &self,
+        consumer: Option<&ConsumerName>,
+    ) -> Result<Vec<ConsumerStats>, StoreError> {
+        let rows: Vec<(String, i64, i64, i64, i64, i64, Option<f64>)> = sqlx::query_as(concat!(
+            "SELECT consumer,
+                    count(*),
+                    count(processed_at),
+                    count(*) FILTER (WHERE processed_at > strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-1 hour')),
+                    count(*) FILTER (WHERE processed_at IS NULL AND dead_lettered_at IS NULL),
+                    count(dead_lettered_at),
+                    ", age_secs!("min(received_at) FILTER (WHERE processed_at IS NULL AND dead_lettered_at IS NULL)"), "
+             FROM inbox_messages
+             WHERE $1 IS NULL OR consumer = $1
+             GROUP BY consumer ORDER BY consumer"
+        ))
+        .bind(consumer.map(|c| c.as_str()))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(store_error)?;
+        Ok(rows.into_iter().map(ConsumerStats::from_row).collect())
+    }
+}
+
+#[async_trait]
+impl InboxAdmin for SqliteStore {
+    async fn migrate(&self) -> Result<(), StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        super::migrate::apply!(
+            &mut *conn,
+            &inbox_migrations::SQLITE,
+            create = "CREATE TABLE IF NOT EXISTS inbox_schema_migrations (
+                version INTEGER PRIMARY KEY, description TEXT NOT NULL,
+                checksum BLOB NOT NULL, applied_at TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')))",
+            insert = "INSERT INTO inbox_schema_migrations (version, description, checksum) VALUES ($1, $2, $3)"
+        )
     }
 
     async fn dead_letters(
@@ -432,29 +459,6 @@ impl InboxStore for SqliteStore {
         .await
         .map_err(store_error)?;
         Ok(u64::try_from(n).unwrap_or(0))
-    }
-
-    async fn stats(
-        &self,
-        consumer: Option<&ConsumerName>,
-    ) -> Result<Vec<ConsumerStats>, StoreError> {
-        let rows: Vec<(String, i64, i64, i64, i64, i64, Option<f64>)> = sqlx::query_as(concat!(
-            "SELECT consumer,
-                    count(*),
-                    count(processed_at),
-                    count(*) FILTER (WHERE processed_at > strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-1 hour')),
-                    count(*) FILTER (WHERE processed_at IS NULL AND dead_lettered_at IS NULL),
-                    count(dead_lettered_at),
-                    ", age_secs!("min(received_at) FILTER (WHERE processed_at IS NULL AND dead_lettered_at IS NULL)"), "
-             FROM inbox_messages
-             WHERE $1 IS NULL OR consumer = $1
-             GROUP BY consumer ORDER BY consumer"
-        ))
-        .bind(consumer.map(|c| c.as_str()))
-        .fetch_all(&self.pool)
-        .await
-        .map_err(store_error)?;
-        Ok(rows.into_iter().map(ConsumerStats::from_row).collect())
     }
 }
 
