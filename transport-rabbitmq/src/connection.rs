@@ -1,0 +1,161 @@
+//! Connections: opening them, the state that holds them, and what lapin's errors mean.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use inbox_core::TransportError;
+use lapin::options::ConfirmSelectOptions;
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+use lapin::types::ShortString;
+use lapin::{Channel, Connection, ConnectionProperties};
+
+use crate::RabbitMqTransport;
+
+/// Connection state, replaced when a connection dies. Publishing has a connection of its own
+/// (RabbitMQ blocks a publishing connection under a memory or disk alarm, and a connection that
+/// a consumer's frame kills should not take the publisher with it), subscriptions share the other.
+#[derive(Default)]
+pub(crate) struct Link {
+    connection: Option<Arc<Connection>>,
+    publishing: Option<Arc<Connection>>,
+    publisher: Option<Channel>,
+    pub(crate) declared: HashSet<String>,
+}
+
+/// The URL without its password, for logs and errors. Also for malformed ones: in
+/// `amqp:user:pw@host` (no `//`) everything between the scheme and the last `@` may be secret.
+pub fn redact(uri: &str) -> String {
+    let Some(at) = uri.rfind('@') else {
+        return uri.to_owned();
+    };
+    let start = match (uri.find("://"), uri.find(':')) {
+        (Some(scheme), _) => scheme + 3,
+        (None, Some(colon)) => colon + 1,
+        (None, None) => 0,
+    };
+    if at < start {
+        return uri.to_owned();
+    }
+    match uri[start..at].split_once(':') {
+        Some((user, _)) => format!("{}{user}:***{}", &uri[..start], &uri[at..]),
+        None if uri.find("://").is_some() => uri.to_owned(),
+        None => format!("{}***{}", &uri[..start], &uri[at..]),
+    }
+}
+
+pub(crate) fn short(value: &str) -> Result<ShortString, TransportError> {
+    ShortString::try_new(value).map_err(|e| TransportError::Config(format!("{value:?}: {e}")))
+}
+
+/// Maps a lapin error: refusals by the broker (missing or mismatched queues and exchanges,
+/// access) are permanent; everything else is a connection problem.
+pub(crate) fn broker_error(error: lapin::Error) -> TransportError {
+    if let lapin::ErrorKind::ProtocolError(amqp) = error.kind()
+        && let AMQPErrorKind::Soft(
+            AMQPSoftError::ACCESSREFUSED
+            | AMQPSoftError::NOTFOUND
+            | AMQPSoftError::PRECONDITIONFAILED,
+        ) = amqp.kind()
+    {
+        return TransportError::Refused(Box::new(error));
+    }
+    TransportError::Disconnected(Box::new(error))
+}
+
+impl RabbitMqTransport {
+    pub(crate) async fn connection(&self) -> Result<Arc<Connection>, TransportError> {
+        let mut link = self.link.lock().await;
+        if let Some(connection) = &link.connection
+            && connection.status().connected()
+        {
+            return Ok(Arc::clone(connection));
+        }
+        link.connection = None;
+        let connection = self.open("consume").await?;
+        link.connection = Some(Arc::clone(&connection));
+        Ok(connection)
+    }
+
+    /// Opens a connection. A URL that does not parse is a configuration error (permanent), said
+    /// without the URL's text: lapin's message would quote it whole, password and all.
+    async fn open(&self, role: &str) -> Result<Arc<Connection>, TransportError> {
+        if let Err(e) = self.uri.parse::<lapin::uri::AMQPUri>() {
+            let reason = if e.contains(&self.uri) {
+                "invalid AMQP URL".to_owned()
+            } else {
+                e
+            };
+            return Err(TransportError::Config(format!(
+                "{reason}: {} (expected amqp://user:password@host:port/vhost)",
+                redact(&self.uri)
+            )));
+        }
+        let properties = ConnectionProperties::default().with_connection_name(
+            format!("{} ({role})", self.config.connection_name)
+                .as_str()
+                .into(),
+        );
+        let connection = Connection::connect(&self.uri, properties)
+            .await
+            .map_err(|e| {
+                let text = e.to_string().replace(&self.uri, &redact(&self.uri));
+                tracing::warn!(uri = %redact(&self.uri), error = %text, "cannot connect to RabbitMQ");
+                TransportError::Disconnected(text.into())
+            })?;
+        self.connections.fetch_add(1, Ordering::SeqCst);
+        tracing::info!(uri = %redact(&self.uri), role, "connected to RabbitMQ");
+        Ok(Arc::new(connection))
+    }
+
+    /// The confirming publisher channel, on the publishing connection.
+    pub(crate) async fn publisher(&self) -> Result<Channel, TransportError> {
+        let mut link = self.link.lock().await;
+        if let Some(channel) = &link.publisher
+            && channel.status().connected()
+        {
+            return Ok(channel.clone());
+        }
+        let connection = match &link.publishing {
+            Some(connection) if connection.status().connected() => Arc::clone(connection),
+            _ => {
+                link.publishing = None;
+                let connection = self.open("publish").await?;
+                link.publishing = Some(Arc::clone(&connection));
+                connection
+            }
+        };
+        let channel = connection.create_channel().await.map_err(broker_error)?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(broker_error)?;
+        link.publisher = Some(channel.clone());
+        link.declared.clear();
+        Ok(channel)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(
+            redact("amqp://guest:secret@host:5672/%2f"),
+            "amqp://guest:***@host:5672/%2f"
+        );
+        assert_eq!(redact("amqp://host:5672"), "amqp://host:5672");
+        // Malformed (no `//`): what stands between the scheme and the last `@` is hidden.
+        assert_eq!(
+            redact("amqp:guest:s3cret@rabbit/%2f"),
+            "amqp:guest:***@rabbit/%2f"
+        );
+        assert_eq!(redact("amqp:s3cret@rabbit"), "amqp:***@rabbit");
+        assert_eq!(
+            redact("amqp://gu:est:s3c@ret@host/%2f"),
+            "amqp://gu:***@host/%2f"
+        );
+    }
+}
