@@ -421,3 +421,65 @@ async fn a_hung_handler_is_abandoned_at_the_drain_timeout() {
     running.stop().await;
     s.assert_exactly_once(&[&name], &[id]).await;
 }
+
+/// A transaction begun and cancelled half-way — an aborted consumer task, a drain timeout, a
+/// `select!` — leaves no transaction open on the connection the pool hands out next. (sqlx 0.8's
+/// `Pool::begin` on PostgreSQL raises its depth only after the `BEGIN` round trip, so a future
+/// dropped in between left the session inside a transaction nobody rolled back: the next
+/// borrower's statements ran in it, uncommitted, holding their locks — the Kafka
+/// `killed_and_restarted` stall, a claim waiting a minute for a lock taken by a bookkeeping
+/// statement that never committed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_begin_leaves_no_transaction_open() {
+    use std::future::Future;
+    use std::task::{Context, Poll};
+
+    use conformance::stores::Postgres;
+    use inbox::{InboxStore, PostgresStore};
+
+    // One connection: the one a cancelled begin used is the one every later statement gets.
+    let store = PostgresStore::connect(&Postgres::fresh_url().await, 1)
+        .await
+        .expect("connect PostgreSQL");
+    let waker = futures::task::noop_waker();
+    let mut cancelled_in_flight = 0;
+    for round in 0..300u32 {
+        let mut begin = Box::pin(store.begin());
+        // Poll until the BEGIN is on its way, give the server a moment to answer (or not), and
+        // drop the future there, as a cancellation would.
+        let mut done = false;
+        for _ in 0..(1 + round % 3) {
+            if let Poll::Ready(tx) = begin.as_mut().poll(&mut Context::from_waker(&waker)) {
+                drop(tx);
+                done = true;
+                break;
+            }
+            for _ in 0..(round % 7) {
+                tokio::task::yield_now().await;
+            }
+        }
+        if !done {
+            cancelled_in_flight += 1;
+        }
+        drop(begin);
+        // The transaction id of a statement on its own is new each time; two statements inside
+        // one transaction share it.
+        let mut conn = store.pool().acquire().await.expect("a connection");
+        let xact = "SELECT txid_current()";
+        let first: i64 = sqlx::query_scalar(xact)
+            .fetch_one(&mut *conn)
+            .await
+            .expect("txid");
+        let second: i64 = sqlx::query_scalar(xact)
+            .fetch_one(&mut *conn)
+            .await
+            .expect("txid");
+        let in_transaction = first == second;
+        drop(conn);
+        assert!(
+            !in_transaction,
+            "round {round}: the pool handed out a connection inside a transaction left by a cancelled begin"
+        );
+    }
+    assert!(cancelled_in_flight > 0, "no begin was cancelled in flight");
+}

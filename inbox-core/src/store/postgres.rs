@@ -126,9 +126,17 @@ impl InboxStore for PostgresStore {
     type Tx = PgTx;
 
     async fn begin(&self) -> Result<PgTx, StoreError> {
-        self.pool
-            .begin_with(self.begin.clone())
+        // On its own task, so that it is never cancelled half-way. sqlx 0.8's `Pool::begin`
+        // counts the transaction only once `BEGIN` is answered: a future dropped in between (an
+        // aborted consumer, the drain timeout, a `select!`) left the session inside a
+        // transaction that nothing rolled back, and the pool handed it to the next borrower —
+        // the application's own statements too — whose writes then never committed and whose
+        // locks were never released (sqlx issues #2805, #4393). Finished on its task, an
+        // unwanted transaction is dropped whole, which rolls it back.
+        let (pool, begin) = (self.pool.clone(), self.begin.clone());
+        tokio::spawn(async move { pool.begin_with(begin).await })
             .await
+            .map_err(|e| StoreError::Unavailable(Box::new(e)))?
             .map_err(store_error)
     }
 
