@@ -1,7 +1,9 @@
 //! The parcel domain: the event, the two consumers' handlers and their tables, and the report.
 
+#[cfg(feature = "postgres")]
+use inbox::PgTx;
 use inbox::{
-    HandlerError, InboxStore, Message, OutgoingMessage, PgTx, SqliteTx, Transport, TransportError,
+    HandlerError, InboxStore, Message, OutgoingMessage, SqliteTx, Transport, TransportError,
     async_trait,
 };
 use serde::{Deserialize, Serialize};
@@ -144,6 +146,7 @@ macro_rules! handlers_for {
     };
 }
 
+#[cfg(feature = "postgres")]
 handlers_for!(PgTx);
 handlers_for!(SqliteTx);
 

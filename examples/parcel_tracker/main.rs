@@ -13,10 +13,12 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use domain::{CarrierAssignment, Notification, Report};
+#[cfg(feature = "postgres")]
+use inbox::PostgresStore;
 use inbox::memory::{Faults, MemoryBroker};
 use inbox::{
     CancellationToken, Consumer, ConsumerName, Handler, InboxAdmin, InboxStore, OutgoingMessage,
-    PostgresStore, SqliteStore, Transport,
+    SqliteStore, Transport,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -220,6 +222,7 @@ fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
 
 /// A store picked by the URL's scheme.
 enum Db {
+    #[cfg(feature = "postgres")]
     Postgres(PostgresStore),
     Sqlite(SqliteStore),
 }
@@ -227,13 +230,19 @@ enum Db {
 impl Db {
     async fn open(url: &str) -> Result<Self, Error> {
         let db = if url.starts_with("postgres:") || url.starts_with("postgresql:") {
-            Db::Postgres(PostgresStore::connect(url, 16).await?)
+            #[cfg(feature = "postgres")]
+            {
+                Db::Postgres(PostgresStore::connect(url, 16).await?)
+            }
+            #[cfg(not(feature = "postgres"))]
+            return Err("this build has no PostgreSQL store: run with --features postgres".into());
         } else if url.starts_with("sqlite:") {
             Db::Sqlite(SqliteStore::connect(url).await?)
         } else {
             return Err("--database must be a postgres:// or sqlite: URL".into());
         };
         match &db {
+            #[cfg(feature = "postgres")]
             Db::Postgres(s) => {
                 s.migrate().await?;
                 domain::create_tables(s.pool()).await?;
@@ -256,6 +265,7 @@ impl Db {
         token: CancellationToken,
     ) -> Result<Vec<(String, inbox::ConsumerReport)>, Error> {
         match self {
+            #[cfg(feature = "postgres")]
             Db::Postgres(s) => run_consumers(s, transport, source, which, shape, token).await,
             Db::Sqlite(s) => run_consumers(s, transport, source, which, shape, token).await,
         }
@@ -263,6 +273,7 @@ impl Db {
 
     async fn report(&self) -> Result<Report, Error> {
         Ok(match self {
+            #[cfg(feature = "postgres")]
             Db::Postgres(s) => Report::read(s, s.pool()).await?,
             Db::Sqlite(s) => Report::read(s, s.pool()).await?,
         })
@@ -388,6 +399,7 @@ async fn consume(args: ConsumeArgs) -> Result<ExitCode, Error> {
     if let Some(retention) = args.retention {
         let token = token.clone();
         match &db {
+            #[cfg(feature = "postgres")]
             Db::Postgres(store) => {
                 let cleanup = inbox::Cleanup::new(store.clone(), retention);
                 tokio::spawn(async move { cleanup.run(token).await });
