@@ -10,7 +10,7 @@
 //!   concurrency, and the broker's raw consume+ack rate.
 //!
 //! `cargo bench --bench throughput --all-features -- [--transport memory|rabbitmq|kafka|all]
-//! [--messages N] [--concurrency C]`
+//! [--messages N] [--concurrency C] [--json FILE]`
 //!
 //! Each mode gets a source of its own with N messages published before it starts (the "copies"
 //! modes: each message twice in a row, so that the copies are handled at once); its clock starts
@@ -66,6 +66,11 @@ struct Args {
     /// (published as it goes, at most 20 000 waiting), sampling the process's resident memory.
     #[arg(long)]
     soak: Option<u64>,
+    /// Also write the results to this file as JSON: `{"rows": [{"transport", "mode",
+    /// "msgs_per_s", "p50_ms", "p99_ms", "double_effects"}…], "rss_mib": …}` (`rss_mib`: the
+    /// process's peak; with `--soak`, the highest sample and no rows).
+    #[arg(long, value_name = "FILE")]
+    json: Option<std::path::PathBuf>,
     /// The PostgreSQL server (a database of its own is created on it).
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database: String,
@@ -107,6 +112,8 @@ impl Handler<PgTx> for BenchHandler {
 /// One measured mode.
 struct Measured {
     name: &'static str,
+    /// The row's `mode` in the JSON output (stable names; `name` is for the table).
+    mode: &'static str,
     messages: usize,
     seconds: f64,
     doubles: Option<i64>,
@@ -119,13 +126,29 @@ impl Measured {
         self.messages as f64 / self.seconds
     }
 
+    /// The `p`-th percentile latency in milliseconds, if any delivery was acked.
+    fn percentile_ms(&self, p: f64) -> Option<f64> {
+        let last = self.latencies.len().checked_sub(1)?;
+        let at = (last as f64 * p / 100.0).round() as usize;
+        Some(self.latencies[at].as_secs_f64() * 1e3)
+    }
+
     /// The `p`-th percentile latency, as milliseconds for the table.
     fn percentile(&self, p: f64) -> String {
-        if self.latencies.is_empty() {
-            return "-".to_owned();
-        }
-        let at = ((self.latencies.len() - 1) as f64 * p / 100.0).round() as usize;
-        format!("{:.1}", self.latencies[at].as_secs_f64() * 1e3)
+        self.percentile_ms(p)
+            .map_or("-".to_owned(), |ms| format!("{ms:.1}"))
+    }
+
+    /// The mode's row of the JSON output.
+    fn row(&self, transport: &str) -> serde_json::Value {
+        serde_json::json!({
+            "transport": transport,
+            "mode": self.mode,
+            "msgs_per_s": self.rate(),
+            "p50_ms": self.percentile_ms(50.0),
+            "p99_ms": self.percentile_ms(99.0),
+            "double_effects": self.doubles,
+        })
     }
 }
 
@@ -357,6 +380,11 @@ async fn inbox_mode(
     running.await??;
     Ok(Measured {
         name,
+        mode: match (batch, copies) {
+            (Some(_), _) => "batch",
+            (None, true) => "copies",
+            (None, false) => "per_message",
+        },
         messages: total as usize,
         seconds,
         doubles: Some(doubles(store.pool(), &run).await?),
@@ -366,7 +394,7 @@ async fn inbox_mode(
 
 /// Consumes with `work` per delivery, `concurrency` at a time, then acks; no inbox engine.
 async fn hand_rolled<F, Fut>(
-    name: &'static str,
+    (name, mode): (&'static str, &'static str),
     target: &Target,
     args: &Args,
     copies: bool,
@@ -426,6 +454,7 @@ where
     consume.abort();
     Ok(Measured {
         name,
+        mode,
         messages: total as usize,
         seconds,
         doubles: Some(doubles(pool, &run).await?),
@@ -436,14 +465,21 @@ where
 /// The business write alone: BEGIN, insert, COMMIT, ack.
 async fn no_inbox(target: &Target, args: &Args, pool: &PgPool) -> Result<Measured, Error> {
     let p = pool.clone();
-    hand_rolled("no inbox", target, args, false, pool, move |run, id| {
-        let pool = p.clone();
-        async move {
-            let mut tx = pool.begin().await?;
-            business_write(&mut tx, &run, &id).await?;
-            tx.commit().await
-        }
-    })
+    hand_rolled(
+        ("no inbox", "no_inbox"),
+        target,
+        args,
+        false,
+        pool,
+        move |run, id| {
+            let pool = p.clone();
+            async move {
+                let mut tx = pool.begin().await?;
+                business_write(&mut tx, &run, &id).await?;
+                tx.commit().await
+            }
+        },
+    )
     .await
 }
 
@@ -456,7 +492,8 @@ async fn naive(
     pool: &PgPool,
 ) -> Result<Measured, Error> {
     let p = pool.clone();
-    hand_rolled(name, target, args, copies, pool, move |run, id| {
+    let mode = if copies { "naive_copies" } else { "naive" };
+    hand_rolled((name, mode), target, args, copies, pool, move |run, id| {
         let pool = p.clone();
         async move {
             let seen: Option<i32> = sqlx::query_scalar(
@@ -499,6 +536,7 @@ async fn raw_broker(target: &Target, args: &Args) -> Result<Measured, Error> {
     }
     Ok(Measured {
         name: "broker consume+ack",
+        mode: "raw_broker",
         messages: total as usize,
         seconds: first.map_or(1e-3, |f| f.elapsed().as_secs_f64().max(1e-3)),
         doubles: None,
@@ -552,6 +590,7 @@ COMMIT;
         })?;
     Ok(Measured {
         name: "pgbench, same SQL",
+        mode: "pgbench",
         messages: (tps * args.pgbench_seconds as f64) as usize,
         seconds: args.pgbench_seconds as f64,
         doubles: None,
@@ -698,7 +737,7 @@ async fn soak(total: u64, args: &Args, store: &PostgresStore) -> Result<(), Erro
          double effects: {doubles}; target: flat (within 10 % of the 10 % mark)   {}",
         if flat { "met" } else { "NOT met" }
     );
-    Ok(())
+    write_json(args, Vec::new(), Some(max))
 }
 
 fn main() -> Result<(), Error> {
@@ -760,9 +799,11 @@ async fn bench(args: Args) -> Result<(), Error> {
         "inbox throughput: {} messages per mode, {} in flight, PostgreSQL",
         args.messages, args.concurrency
     );
+    let mut rows = Vec::new();
     if args.profile {
         for target in targets(args.transport)? {
             let m = inbox_mode("inbox per message", &target, &store, &args, None, false).await?;
+            rows.push(m.row(target.name));
             println!(
                 "{}: {:.0} msgs/s, p50 {} ms, p99 {} ms",
                 target.name,
@@ -771,7 +812,7 @@ async fn bench(args: Args) -> Result<(), Error> {
                 m.percentile(99.0)
             );
         }
-        return Ok(());
+        return write_json(&args, rows, peak_rss_mib());
     }
     let ceiling = pgbench(&args, &url).await?;
     println!(
@@ -814,6 +855,7 @@ async fn bench(args: Args) -> Result<(), Error> {
             &ceiling,
             &raw,
         ] {
+            rows.push(m.row(t.name));
             let doubles = m.doubles.map_or("-".to_owned(), |d| d.to_string());
             println!(
                 "{:<28}{:>10.0}{:>10}{:>10}{:>16}",
@@ -852,8 +894,25 @@ async fn bench(args: Args) -> Result<(), Error> {
             naive_copies.doubles.unwrap_or(0)
         );
     }
-    if let Some(rss) = peak_rss_mib() {
+    let rss = peak_rss_mib();
+    if let Some(rss) = rss {
         println!("\npeak RSS of the bench process: {rss:.0} MiB");
     }
+    write_json(&args, rows, rss)
+}
+
+/// Writes `--json`'s file, if asked for.
+fn write_json(
+    args: &Args,
+    rows: Vec<serde_json::Value>,
+    rss_mib: Option<f64>,
+) -> Result<(), Error> {
+    let Some(path) = &args.json else {
+        return Ok(());
+    };
+    let document = serde_json::json!({ "rows": rows, "rss_mib": rss_mib });
+    std::fs::write(path, serde_json::to_vec_pretty(&document)?)
+        .map_err(|e| format!("writing {}: {e}", path.display()))?;
+    println!("results written to {}", path.display());
     Ok(())
 }

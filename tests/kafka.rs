@@ -37,7 +37,13 @@ async fn another_clients_records_are_handled_once_by_the_demo() {
     let demo = DemoConsumer::start("kafka", &source, &[("KAFKA_BROKERS", brokers.clone())]).await;
 
     let (events, duplicated) = (30usize, 10usize);
-    conformance::kafka::produce_with_confluent_kafka(&brokers, &source, events, duplicated).await;
+    conformance::kafka::produce_with_confluent_kafka(
+        &brokers,
+        &source,
+        (events, duplicated),
+        false,
+    )
+    .await;
     demo.wait_for_effects(events as i64).await;
     eventually("every record committed by both groups", || async {
         let mut lag = 0;

@@ -172,7 +172,8 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
 
 /// The broker to use. RabbitMQ reads `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`),
 /// `RABBITMQ_QUEUE_TYPE` (`quorum`; classic otherwise) and `RABBITMQ_DELIVERY_LIMIT`; Kafka
-/// `KAFKA_BROKERS` (default `127.0.0.1:9092`) and `KAFKA_SESSION_TIMEOUT_MS`.
+/// `KAFKA_BROKERS` (default `127.0.0.1:9092`), `KAFKA_SESSION_TIMEOUT_MS` and `KAFKA_CONFIG`
+/// (more client settings: `key=value,key=value`).
 fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
     match kind {
         TransportKind::Memory => Ok(Arc::new(MemoryBroker::new())),
@@ -210,6 +211,12 @@ fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
                 .and_then(|v| v.parse().ok())
             {
                 config = config.session_timeout(Duration::from_millis(ms));
+            }
+            // Any other client setting, `key=value` pairs separated by commas.
+            for setting in std::env::var("KAFKA_CONFIG").unwrap_or_default().split(',') {
+                if let Some((key, value)) = setting.split_once('=') {
+                    config = config.set(key.trim(), value.trim());
+                }
             }
             Ok(Arc::new(inbox::kafka::KafkaTransport::new(config)?))
         }

@@ -14,17 +14,25 @@ use super::{BrokerFactory, TestBroker, services};
 /// Produces the demo's events with PyPI's `confluent-kafka` (not our code): `events` events to
 /// `topic`, the first `duplicated` of them sent twice (a producer retrying), each with its id in
 /// the `message-id` header. Panics unless every record was acknowledged.
+///
+/// `record_batches`: each record in a batch of its own. tansu 0.6 skips the rest of a batch for a
+/// consumer that resumes inside it (a committed offset, or a revoked partition's new owner,
+/// mid-batch): those records are never delivered to that group, whatever the client
+/// (`scripts/repro/tansu-mid-batch`). Tests that move partitions between instances need it.
 pub async fn produce_with_confluent_kafka(
     brokers: &str,
     topic: &str,
-    events: usize,
-    duplicated: usize,
+    (events, duplicated): (usize, usize),
+    record_batches: bool,
 ) {
     let producer = r#"
 import json, sys, uuid
 from confluent_kafka import Producer
 brokers, topic, events, duplicated = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-producer = Producer({"bootstrap.servers": brokers})
+settings = {"bootstrap.servers": brokers}
+if sys.argv[5] == "1":
+    settings.update({"linger.ms": 0, "batch.num.messages": 1})
+producer = Producer(settings)
 for n in range(events):
     payload = json.dumps({"parcel_id": str(uuid.uuid4()), "tracking_number": f"TRK-PY-{n}", "destination": "Oslo"})
     for _ in range(2 if n < duplicated else 1):
@@ -41,6 +49,7 @@ sys.exit(1 if left else 0)
             topic,
             &events.to_string(),
             &duplicated.to_string(),
+            if record_batches { "1" } else { "0" },
         ])
         .output()
         .await

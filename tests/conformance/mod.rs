@@ -3,6 +3,13 @@
 //! [`conformance_suite!`](crate::conformance_suite).
 #![allow(dead_code)]
 
+// Loudly, rather than a test binary that compiles to nothing.
+#[cfg(all(
+    any(feature = "rabbitmq", feature = "kafka"),
+    not(feature = "test-util")
+))]
+compile_error!("the RabbitMQ and Kafka tests inspect the transports: add --features test-util");
+
 #[cfg(any(feature = "rabbitmq", feature = "kafka"))]
 pub mod demo;
 pub mod flaky;

@@ -21,11 +21,15 @@
 //! - Ids travel in the header `message-id`; with the coordinates strategy,
 //!   `topic/partition/offset` can serve instead.
 #![forbid(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod config;
 mod delivery;
 mod error;
+mod guard;
 mod poll;
+#[cfg(feature = "test-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub mod testing;
 mod topics;
 mod tracker;

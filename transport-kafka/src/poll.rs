@@ -12,6 +12,7 @@ use tokio::sync::mpsc;
 
 use crate::delivery::{KafkaDelivery, Settlement, headers_of};
 use crate::error::{ClientError, consumer_error};
+use crate::guard::{Orphans, Sample};
 use crate::tracker::{KafkaConsumer, Tracker};
 
 pub(crate) type Item = Result<Box<dyn Delivery>, TransportError>;
@@ -30,15 +31,25 @@ pub(crate) type Item = Result<Box<dyn Delivery>, TransportError>;
 /// refused, a rebalance in progress) are logged and polling goes on with the same consumer and
 /// group membership: ending the stream on them would make every instance leave and rejoin the
 /// group at each broker blip. Only a fatal client error ends the stream (the engine subscribes
-/// again with a fresh consumer), and an authorization error ends it for good.
+/// again with a fresh consumer), and an authorization error ends it for good. The
+/// [orphaned-partition guard](crate::guard) also ends it, transiently, when this consumer sits
+/// idle beside a backlog that no member of its group reads.
 pub(crate) async fn poll(
     consumer: KafkaConsumer,
+    topic: String,
     tracker: Arc<Tracker>,
     sender: mpsc::Sender<Item>,
     unsettled: Arc<AtomicUsize>,
     closing: Arc<tokio::sync::watch::Sender<usize>>,
-    ordered: bool,
+    (ordered, check_every): (bool, Duration),
 ) {
+    let consumer = Arc::new(consumer);
+    let mut orphans = Orphans::default();
+    let mut checks =
+        tokio::time::interval_at(tokio::time::Instant::now() + check_every, check_every);
+    checks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut checking: Option<tokio::task::JoinHandle<rdkafka::error::KafkaResult<Vec<Sample>>>> =
+        None;
     let (settle, mut settlements) = mpsc::unbounded_channel();
     let mut outstanding = 0usize;
     let mut pending: Option<Item> = None;
@@ -68,6 +79,32 @@ pub(crate) async fn poll(
                 }
             },
             () = sender.closed(), if streaming && pending.is_none() => streaming = false,
+            _ = checks.tick(), if streaming && !ending && checking.is_none() => {
+                if outstanding == 0 && pending.is_none() {
+                    let (consumer, topic) = (Arc::clone(&consumer), topic.clone());
+                    checking = Some(tokio::task::spawn_blocking(move || crate::guard::sample(&*consumer, &topic)));
+                } else {
+                    orphans.forget();
+                }
+            }
+            sampled = async { checking.as_mut().expect("checked").await }, if checking.is_some() => {
+                checking = None;
+                match sampled {
+                    Ok(Ok(samples)) if outstanding == 0 && pending.is_none() && !ending => {
+                        let frozen = orphans.observe(&samples);
+                        if !frozen.is_empty() {
+                            tracing::warn!(%topic, partitions = ?frozen, "partitions with a backlog that no member of the group has read for several session timeouts; rejoining the group");
+                            ending = true;
+                            pending = Some(Err(TransportError::Disconnected(
+                                format!("partitions {frozen:?} of {topic} orphaned in the group; rejoining").into(),
+                            )));
+                        }
+                    }
+                    Ok(Ok(_)) => orphans.forget(),
+                    Ok(Err(e)) => tracing::debug!(error = %e, "orphaned-partition check"),
+                    Err(e) => tracing::debug!(error = %e, "orphaned-partition check"),
+                }
+            }
             next = consumer.recv(), if streaming && !ending && pending.is_none() => {
                 let item = match next {
                     Ok(message) => {
@@ -109,7 +146,11 @@ pub(crate) async fn poll(
             }
         }
     }
-    // Closing blocks (commit, leave the group): not on the async threads.
+    // Closing blocks (commit, leave the group): not on the async threads. A check still running
+    // holds the consumer until it returns.
+    if let Some(check) = checking {
+        let _ = check.await;
+    }
     closing.send_modify(|n| *n += 1);
     let closed = tokio::task::spawn_blocking(move || {
         if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {

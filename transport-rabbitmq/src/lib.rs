@@ -18,6 +18,7 @@
 //!
 //! [`TransportError::AckLost`]: inbox_core::TransportError::AckLost
 #![forbid(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod config;
 mod connection;
@@ -25,6 +26,8 @@ mod consume;
 mod delivery;
 mod headers;
 mod publish;
+#[cfg(feature = "test-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub mod testing;
 mod topology;
 mod transport;
