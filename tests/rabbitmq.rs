@@ -427,8 +427,11 @@ connection.close()
             &conformance::services::amqp_url(),
             &s.source,
         ])
-        .output()
+        .kill_on_drop(true)
+        .output();
+    let published = tokio::time::timeout(conformance::DEADLINE, published)
         .await
+        .expect("the pika publish returns")
         .expect("python3 runs");
     assert!(
         published.status.success(),

@@ -100,8 +100,11 @@ else:
         .arg("-c")
         .arg(script)
         .args(args)
-        .output()
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(super::DEADLINE, output)
         .await
+        .expect("the third-party producer returns")
         .expect("python3 runs");
     assert!(
         output.status.success(),

@@ -106,9 +106,11 @@ where
 {
     let deadline = tokio::time::Instant::now() + limit;
     loop {
-        let last = match check().await {
-            Ok(()) => return,
-            Err(e) => e,
+        // A check that hangs (a broker call with no answer) fails at the deadline too.
+        let last = match tokio::time::timeout_at(deadline, check()).await {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => e,
+            Err(_) => "the last check did not return".to_owned(),
         };
         if tokio::time::Instant::now() >= deadline {
             panic!("{what}: not reached within {limit:?}: {last}");

@@ -25,6 +25,9 @@ pub struct KafkaConfig {
     /// Handle each partition's records one after another, in order (default). Off: records are
     /// handled concurrently whatever their partition; offsets are still stored contiguously.
     pub ordered: bool,
+    /// Rejoin the group when this consumer sits idle beside a partition whose backlog nobody
+    /// reads (off by default; see [`orphan_guard`](Self::orphan_guard)).
+    pub orphan_guard: bool,
     /// Extra client settings, applied last (for example `security.protocol`).
     pub extra: Vec<(String, String)>,
 }
@@ -48,6 +51,7 @@ impl fmt::Debug for KafkaConfig {
             .field("commit_interval", &self.commit_interval)
             .field("session_timeout", &self.session_timeout)
             .field("ordered", &self.ordered)
+            .field("orphan_guard", &self.orphan_guard)
             .field("extra", &extra)
             .finish()
     }
@@ -63,6 +67,7 @@ impl KafkaConfig {
             commit_interval: Duration::from_secs(1),
             session_timeout: None,
             ordered: true,
+            orphan_guard: false,
             extra: Vec::new(),
         }
     }
@@ -82,6 +87,25 @@ impl KafkaConfig {
     /// Sets `ordered`.
     pub fn ordered(mut self, ordered: bool) -> Self {
         self.ordered = ordered;
+        self
+    }
+
+    /// Turns on the orphaned-partition guard, for brokers whose group coordinator can settle an
+    /// assignment that gives partitions to members already gone (tansu 0.6 does, after a crash
+    /// loop; Apache Kafka does not): every session timeout (at least 5 s) a consumer with nothing
+    /// in flight looks at the partitions of its topic that are not its own, and when one has
+    /// records after its committed offset and that offset stood still for two checks after the
+    /// first, it rejoins the group with a fresh client.
+    ///
+    /// Off by default because on a healthy group the same signs have other causes: an owner
+    /// whose head record is slow or retried in place commits nothing meanwhile, and a
+    /// transactional producer's commit marker leaves a quiet partition's committed offset one
+    /// short of its end. Each firing is a rebalance of the whole group; after one, the group's
+    /// next firing needs twice as many checks (up to 32), until this instance receives a record.
+    /// Its cost: per check, one metadata, one committed-offsets and two watermark requests per
+    /// partition not assigned to this consumer.
+    pub fn orphan_guard(mut self, on: bool) -> Self {
+        self.orphan_guard = on;
         self
     }
 

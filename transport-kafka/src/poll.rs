@@ -12,7 +12,7 @@ use tokio::sync::mpsc;
 
 use crate::delivery::{KafkaDelivery, Settlement, headers_of};
 use crate::error::{ClientError, consumer_error};
-use crate::guard::{Orphans, Sample};
+use crate::guard::{Guard, Orphans, Sample};
 use crate::tracker::{KafkaConsumer, Tracker};
 
 pub(crate) type Item = Result<Box<dyn Delivery>, TransportError>;
@@ -32,8 +32,8 @@ pub(crate) type Item = Result<Box<dyn Delivery>, TransportError>;
 /// group membership: ending the stream on them would make every instance leave and rejoin the
 /// group at each broker blip. Only a fatal client error ends the stream (the engine subscribes
 /// again with a fresh consumer), and an authorization error ends it for good. The
-/// [orphaned-partition guard](crate::guard) also ends it, transiently, when this consumer sits
-/// idle beside a backlog that no member of its group reads.
+/// [orphaned-partition guard](crate::guard), when on, also ends it, transiently, when this
+/// consumer sits idle beside a backlog that no member of its group seems to read.
 pub(crate) async fn poll(
     consumer: KafkaConsumer,
     topic: String,
@@ -41,10 +41,14 @@ pub(crate) async fn poll(
     sender: mpsc::Sender<Item>,
     unsettled: Arc<AtomicUsize>,
     closing: Arc<tokio::sync::watch::Sender<usize>>,
-    (ordered, check_every): (bool, Duration),
+    (ordered, guard): (bool, Option<Guard>),
 ) {
     let consumer = Arc::new(consumer);
     let mut orphans = Orphans::default();
+    // Without a guard the ticks are never polled (their branch is off).
+    let check_every = guard
+        .as_ref()
+        .map_or(Duration::from_secs(3600), |g| g.every);
     let mut checks =
         tokio::time::interval_at(tokio::time::Instant::now() + check_every, check_every);
     checks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -79,7 +83,7 @@ pub(crate) async fn poll(
                 }
             },
             () = sender.closed(), if streaming && pending.is_none() => streaming = false,
-            _ = checks.tick(), if streaming && !ending && checking.is_none() => {
+            _ = checks.tick(), if guard.is_some() && streaming && !ending && checking.is_none() => {
                 if outstanding == 0 && pending.is_none() {
                     let (consumer, topic) = (Arc::clone(&consumer), topic.clone());
                     checking = Some(tokio::task::spawn_blocking(move || crate::guard::sample(&*consumer, &topic)));
@@ -91,9 +95,11 @@ pub(crate) async fn poll(
                 checking = None;
                 match sampled {
                     Ok(Ok(samples)) if outstanding == 0 && pending.is_none() && !ending => {
-                        let frozen = orphans.observe(&samples);
+                        let guard = guard.as_ref().expect("checks run with a guard");
+                        let frozen = orphans.observe(&samples, guard.strikes());
                         if !frozen.is_empty() {
-                            tracing::warn!(%topic, partitions = ?frozen, "partitions with a backlog that no member of the group has read for several session timeouts; rejoining the group");
+                            tracing::warn!(%topic, partitions = ?frozen, checks = guard.strikes() + 1, "partitions not assigned to this consumer kept their backlog and committed offset over several session timeouts while it sat idle; rejoining the group");
+                            guard.fired();
                             ending = true;
                             pending = Some(Err(TransportError::Disconnected(
                                 format!("partitions {frozen:?} of {topic} orphaned in the group; rejoining").into(),
@@ -108,6 +114,9 @@ pub(crate) async fn poll(
             next = consumer.recv(), if streaming && !ending && pending.is_none() => {
                 let item = match next {
                     Ok(message) => {
+                        if let Some(guard) = &guard {
+                            guard.received();
+                        }
                         let (generation, first) = tracker.delivered(message.topic(), message.partition(), message.offset());
                         outstanding += 1;
                         unsettled.fetch_add(1, Ordering::SeqCst);
@@ -146,12 +155,13 @@ pub(crate) async fn poll(
             }
         }
     }
-    // Closing blocks (commit, leave the group): not on the async threads. A check still running
-    // holds the consumer until it returns.
+    // Closing blocks (commit, leave the group): not on the async threads. Counted as closing from
+    // here, so that a new subscription waits for it; a check still running holds the consumer
+    // until it returns (each of its requests times out after 5 s).
+    closing.send_modify(|n| *n += 1);
     if let Some(check) = checking {
         let _ = check.await;
     }
-    closing.send_modify(|n| *n += 1);
     let closed = tokio::task::spawn_blocking(move || {
         if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
             tracing::debug!(error = %e, "final commit");

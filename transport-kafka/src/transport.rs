@@ -22,6 +22,7 @@ use tokio::sync::mpsc;
 use crate::config::KafkaConfig;
 use crate::delivery::LogRecord;
 use crate::error::{publish_error, transient};
+use crate::guard::Guard;
 use crate::poll::{Item, poll};
 use crate::tracker::{Context, KafkaConsumer, Tracker};
 
@@ -44,6 +45,8 @@ pub struct KafkaTransport {
     closing: Arc<tokio::sync::watch::Sender<usize>>,
     /// Poll loops whose delivery streams were dropped: `true` once they committed and closed.
     ending: Arc<Mutex<Vec<tokio::sync::watch::Receiver<bool>>>>,
+    /// Per group: how often its orphaned-partition guard fired since a record last arrived.
+    rejoins: Mutex<std::collections::HashMap<String, Arc<std::sync::atomic::AtomicU32>>>,
 }
 
 impl fmt::Debug for KafkaTransport {
@@ -79,6 +82,7 @@ impl KafkaTransport {
             unsettled: Arc::default(),
             closing: Arc::new(tokio::sync::watch::Sender::new(0)),
             ending: Arc::default(),
+            rejoins: Mutex::default(),
         })
     }
 
@@ -175,6 +179,16 @@ impl Transport for KafkaTransport {
             .map_err(transient)?;
         let (sender, receiver) = mpsc::channel(usize::from(subscription.prefetch.max(1)));
         let (closed, closed_rx) = tokio::sync::watch::channel(false);
+        let guard = self.config.orphan_guard.then(|| Guard {
+            every: crate::guard::check_interval(self.config.session_timeout),
+            rejoins: Arc::clone(
+                self.rejoins
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .entry(group.clone())
+                    .or_default(),
+            ),
+        });
         let polling = poll(
             consumer,
             subscription.source.clone(),
@@ -182,10 +196,7 @@ impl Transport for KafkaTransport {
             sender,
             Arc::clone(&self.unsettled),
             Arc::clone(&self.closing),
-            (
-                self.config.ordered,
-                crate::guard::check_interval(self.config.session_timeout),
-            ),
+            (self.config.ordered, guard),
         );
         tokio::spawn(async move {
             polling.await;

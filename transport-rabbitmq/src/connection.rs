@@ -3,6 +3,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use inbox_core::TransportError;
 use lapin::options::ConfirmSelectOptions;
@@ -63,7 +64,45 @@ pub(crate) fn broker_error(error: lapin::Error) -> TransportError {
     TransportError::Disconnected(Box::new(error))
 }
 
+/// How long the broker may take to open a channel before its connection is taken for dead. After
+/// a frame lapin cannot parse (a non-UTF-8 `message_id`) its connection can still look connected
+/// while no channel asked of it ever opens: without a limit the consumer's next subscribe, and
+/// everything else on that connection, waited for ever.
+const CHANNEL_OPEN: Duration = Duration::from_secs(10);
+
+fn channel_not_opened() -> TransportError {
+    TransportError::Disconnected(
+        format!(
+            "the broker did not open a channel within {} s; reconnecting",
+            CHANNEL_OPEN.as_secs()
+        )
+        .into(),
+    )
+}
+
 impl RabbitMqTransport {
+    /// A new channel on `connection` (the consuming one), within [`CHANNEL_OPEN`]; past it the
+    /// connection is dropped, so that the next call opens another.
+    pub(crate) async fn open_channel(
+        &self,
+        connection: &Arc<Connection>,
+    ) -> Result<Channel, TransportError> {
+        match tokio::time::timeout(CHANNEL_OPEN, connection.create_channel()).await {
+            Ok(channel) => channel.map_err(broker_error),
+            Err(_) => {
+                let mut link = self.link.lock().await;
+                if link
+                    .connection
+                    .as_ref()
+                    .is_some_and(|c| Arc::ptr_eq(c, connection))
+                {
+                    link.connection = None;
+                }
+                Err(channel_not_opened())
+            }
+        }
+    }
+
     pub(crate) async fn connection(&self) -> Result<Arc<Connection>, TransportError> {
         let mut link = self.link.lock().await;
         if let Some(connection) = &link.connection
@@ -125,7 +164,13 @@ impl RabbitMqTransport {
                 connection
             }
         };
-        let channel = connection.create_channel().await.map_err(broker_error)?;
+        let channel = match tokio::time::timeout(CHANNEL_OPEN, connection.create_channel()).await {
+            Ok(channel) => channel.map_err(broker_error)?,
+            Err(_) => {
+                link.publishing = None;
+                return Err(channel_not_opened());
+            }
+        };
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await

@@ -33,7 +33,7 @@ impl Inspect for RabbitMqTransport {
 
     async fn ready(&self, source: &str, consumer: &str) -> Result<u32, TransportError> {
         let connection = self.connection().await?;
-        let channel = connection.create_channel().await.map_err(broker_error)?;
+        let channel = self.open_channel(&connection).await?;
         let queue = channel
             .queue_declare(
                 short(&queue_name(source, consumer))?,

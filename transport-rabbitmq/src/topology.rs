@@ -49,7 +49,7 @@ impl RabbitMqTransport {
         arguments: FieldTable,
     ) -> Result<(), TransportError> {
         let connection = self.connection().await?;
-        let channel = connection.create_channel().await.map_err(broker_error)?;
+        let channel = self.open_channel(&connection).await?;
         let declared = channel
             .queue_declare(
                 short(queue)?,
@@ -65,7 +65,7 @@ impl RabbitMqTransport {
             Err(e) if inequivalent(&e) => {
                 // The broker closed that channel; the queue is there.
                 self.warn_inequivalent(queue, &arguments);
-                connection.create_channel().await.map_err(broker_error)?
+                self.open_channel(&connection).await?
             }
             Err(e) => return Err(broker_error(e)),
         };
@@ -177,7 +177,7 @@ impl RabbitMqTransport {
             // default exchange), and it must exist before the first message goes there.
             let quarantine = quarantine_name(source, consumer);
             let connection = self.connection().await?;
-            let channel = connection.create_channel().await.map_err(broker_error)?;
+            let channel = self.open_channel(&connection).await?;
             let declared = channel
                 .queue_declare(
                     short(&quarantine)?,
@@ -215,7 +215,7 @@ impl RabbitMqTransport {
 
     async fn declare_exchange_alone(&self, name: &str) -> Result<(), TransportError> {
         let connection = self.connection().await?;
-        let channel = connection.create_channel().await.map_err(broker_error)?;
+        let channel = self.open_channel(&connection).await?;
         let declared = self.declare_exchange(&channel, name).await;
         let _ = channel.close(200, "declared".into()).await;
         declared

@@ -95,7 +95,7 @@ impl RabbitMqTransport {
         remove: bool,
     ) -> Result<Vec<OutgoingMessage>, TransportError> {
         let connection = self.connection().await?;
-        let channel = connection.create_channel().await.map_err(broker_error)?;
+        let channel = self.open_channel(&connection).await?;
         let mut taken = Vec::new();
         while taken.len() < max {
             let Some(message) = channel
@@ -155,7 +155,7 @@ impl Transport for RabbitMqTransport {
             self.declare_dead_letter(dead_letter).await?;
         }
         let connection = self.connection().await?;
-        let guard = StreamGuard::new(connection.create_channel().await.map_err(broker_error)?);
+        let guard = StreamGuard::new(self.open_channel(&connection).await?);
         let queue = queue_name(source, consumer);
         let prefetch = if self.careful.load(Ordering::SeqCst) > 0 {
             tracing::info!(queue = %queue, "consuming one message at a time after an unparsable delivery");
@@ -171,7 +171,7 @@ impl Transport for RabbitMqTransport {
     async fn read_dead_letters(&self, destination: &str) -> Result<DeliveryStream, TransportError> {
         self.declare_dead_letter(destination).await?;
         let connection = self.connection().await?;
-        let guard = StreamGuard::new(connection.create_channel().await.map_err(broker_error)?);
+        let guard = StreamGuard::new(self.open_channel(&connection).await?);
         let channel = &guard.0.channel;
         let ready = channel
             .queue_declare(
