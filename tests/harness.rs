@@ -921,28 +921,16 @@ mod kafka {
         };
         let mut env = broker.env.clone();
         env.push(("KAFKA_CONFIG", "heartbeat.interval.ms=1000".to_owned()));
+        let outcomes = Arc::clone(&tally.outcomes);
+        let instance =
+            || ConsumerProcess::start(broker.name, &database, &broker.source, 0.0, &env, &outcomes);
         for _ in 0..INSTANCES {
-            let process = ConsumerProcess::start(
-                broker.name,
-                &database,
-                &broker.source,
-                0.0,
-                &env,
-                &tally.outcomes,
-            );
-            process.kill_after(dice.millis(100, 900)).await;
+            instance().kill_after(dice.millis(100, 900)).await;
             tally.kills += 1;
             // The crash loop's own rhythm (a restart policy's delay), not a wait for a condition.
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
-        let survivor = ConsumerProcess::start(
-            broker.name,
-            &database,
-            &broker.source,
-            0.0,
-            &env,
-            &tally.outcomes,
-        );
+        let survivor = instance();
         let started = Instant::now();
         loop {
             let complete = report(&database).await["parcels_complete"]

@@ -63,8 +63,9 @@ impl<S: InboxAdmin> Cleanup<S> {
         self
     }
 
-    /// Rows per transaction (at least 1). Each batch holds its row locks only while it deletes;
-    /// claims of new messages never wait for it.
+    /// Rows per transaction (at least 1). Each batch holds its row locks only while it deletes:
+    /// cleanup never waits for a claim, and only a late copy of a row in the batch being deleted
+    /// waits, for that one batch.
     pub fn batch_size(mut self, rows: u32) -> Self {
         self.batch_size = rows.max(1);
         self

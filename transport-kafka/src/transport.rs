@@ -105,12 +105,13 @@ impl KafkaTransport {
             .set("enable.partition.eof", "false");
         if let Some(timeout) = self.config.session_timeout {
             config.set("session.timeout.ms", timeout.as_millis().to_string());
-            // Kafka's own guidance: a third of the session. (A sixth made tansu 0.6 settle
-            // generations that assign partitions to expired members far more often, for a
-            // plain confluent-kafka consumer too: see the guard module.)
+            // A sixth of the session (Kafka asks for at most a third): members learn of a
+            // rebalance sooner. (A third made a newly joined instance of the suite wait so long
+            // for partitions that the first had finished; a sixth makes tansu 0.6's orphaned
+            // assignments likelier, which the guard is for: see the guard module.)
             config.set(
                 "heartbeat.interval.ms",
-                (timeout.as_millis() / 3).max(100).to_string(),
+                (timeout.as_millis() / 6).max(100).to_string(),
             );
         }
         for (key, value) in &self.config.extra {
