@@ -6,9 +6,8 @@
 //! It restarts shared services, so `scripts/test` runs it on its own, one test at a time, after
 //! the rest. Short by default (2,000 events, 20 kills); `INBOX_HARNESS_LONG=1` runs the long
 //! variant (10,000 events, 100 kills). Each test prints one summary line.
-#![allow(dead_code)]
 
-mod conformance;
+use inbox_test_kit as conformance;
 
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -175,29 +174,14 @@ impl ConsumerProcess {
         env: &[(&str, String)],
         outcomes: &Arc<Outcomes>,
     ) -> Self {
-        let demo = conformance::demo::binary();
-        let mut child = tokio::process::Command::new(&demo)
-            .args([
-                "consume",
-                "--transport",
-                transport,
-                "--database",
-                database,
-                "--source",
-                source,
-                "--stall-before-ack",
-                &stall_before_ack.to_string(),
-            ])
-            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-            .env(
-                "RUST_LOG",
-                "warn,inbox_core::consumer=debug,inbox_transport_kafka=info",
-            )
-            .env("NO_COLOR", "1")
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {}: {e}", demo.display()));
+        let mut child = conformance::demo::spawn_consume(
+            transport,
+            database,
+            source,
+            &["--stall-before-ack", &stall_before_ack.to_string()],
+            env,
+            "warn,inbox_core::consumer=debug,inbox_transport_kafka=info",
+        );
         let stalled = Arc::new(Notify::new());
         let stderr = child.stderr.take().expect("piped stderr");
         let reader = {
@@ -235,13 +219,7 @@ impl ConsumerProcess {
 
     /// SIGTERM: the consumer drains and exits 0.
     async fn stop(mut self, outcomes: &Outcomes) {
-        let pid = self.child.id().expect("running");
-        let killed = tokio::process::Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
-            .status()
-            .await
-            .unwrap();
-        assert!(killed.success());
+        conformance::demo::terminate(&self.child).await;
         let Ok(status) = tokio::time::timeout(DEADLINE, self.child.wait()).await else {
             panic!(
                 "the consumer did not exit within {DEADLINE:?} after SIGTERM; its log:\n{}",
@@ -290,28 +268,13 @@ async fn publish(
     sent
 }
 
-/// The demo's `report --json` on `database`.
-async fn report(database: &str) -> serde_json::Value {
-    let output = tokio::process::Command::new(conformance::demo::binary())
-        .args(["report", "--json", "--database", database])
-        .output()
-        .await
-        .unwrap();
-    serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
-        panic!(
-            "report --json: {e}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        )
-    })
-}
-
 /// Waits until every event has one notification and one booking, then fills in lost and
 /// doubled from the database.
 async fn settle_and_count(database: &str, events: u64, tally: &mut Tally) {
     // Generous: after a kill, a Kafka group waits out the dead member's session before the
     // partitions move, once per consumer group.
     conformance::eventually_within("every event handled by both consumers", SETTLE, || async {
-        let r = report(database).await;
+        let r = conformance::demo::report(database).await;
         let complete = r["parcels_complete"].as_u64().unwrap();
         if complete >= events {
             Ok(())
@@ -320,7 +283,7 @@ async fn settle_and_count(database: &str, events: u64, tally: &mut Tally) {
         }
     })
     .await;
-    let r = report(database).await;
+    let r = conformance::demo::report(database).await;
     let complete = r["parcels_complete"].as_u64().unwrap();
     tally.doubled =
         r["double_notifications"].as_u64().unwrap() + r["double_bookings"].as_u64().unwrap();
@@ -783,7 +746,7 @@ async fn concurrent_duplicates(broker: Broker) {
         ..Tally::default()
     };
     // The schema first: four processes creating the demo's tables at once would race.
-    report(&database).await;
+    conformance::demo::report(&database).await;
     let processes: Vec<ConsumerProcess> = (0..4)
         .map(|_| {
             ConsumerProcess::start(
@@ -841,13 +804,12 @@ mod kafka {
             Arc::new(move || {
                 let (transport, source) = (Arc::clone(&transport), source.clone());
                 Box::pin(async move {
-                    let mut lag = 0;
-                    for consumer in ["notification", "carrier-assignment"] {
-                        lag += transport
-                            .consumer_lag(&source, consumer)
-                            .await
-                            .map_err(|e| e.to_string())?;
-                    }
+                    let lag = conformance::kafka::lag(
+                        &transport,
+                        &source,
+                        &["notification", "carrier-assignment"],
+                    )
+                    .await?;
                     Ok(u64::try_from(lag).unwrap_or(0))
                 })
             })
@@ -933,7 +895,7 @@ mod kafka {
         let survivor = instance();
         let started = Instant::now();
         loop {
-            let complete = report(&database).await["parcels_complete"]
+            let complete = conformance::demo::report(&database).await["parcels_complete"]
                 .as_u64()
                 .unwrap();
             if complete >= events as u64 {

@@ -1,8 +1,7 @@
 //! The conformance suite on a Kafka-API broker (`KAFKA_BROKERS`; tansu in `scripts/test`) with
 //! PostgreSQL.
-#![cfg(feature = "kafka")]
 
-mod conformance;
+use inbox_test_kit::{self as conformance, conformance_suite};
 
 use conformance::kafka::Kafka;
 
@@ -46,13 +45,9 @@ async fn another_clients_records_are_handled_once_by_the_demo() {
     .await;
     demo.wait_for_effects(events as i64).await;
     eventually("every record committed by both groups", || async {
-        let mut lag = 0;
-        for group in ["notification", "carrier-assignment"] {
-            lag += transport
-                .consumer_lag(&source, group)
-                .await
-                .map_err(|e| e.to_string())?;
-        }
+        let lag =
+            conformance::kafka::lag(&transport, &source, &["notification", "carrier-assignment"])
+                .await?;
         if lag == 0 {
             Ok(())
         } else {

@@ -1,6 +1,6 @@
 //! The conformance suite on the in-memory transport, against SQLite and PostgreSQL.
 
-mod conformance;
+use inbox_test_kit::{self as conformance, conformance_suite};
 
 use conformance::memory::Memory;
 

@@ -1,7 +1,7 @@
 //! The metrics a run emits, read back through a recorder: processed, duplicates, failures,
 //! retries and dead letters, labelled by consumer; and the sampled row gauges.
 
-mod conformance;
+use inbox_test_kit as conformance;
 
 use std::collections::HashSet;
 use std::sync::Arc;

@@ -2,7 +2,7 @@
 //! the retention window, dead rows kept; and a million rows cleaned while a consumer runs, with
 //! the consumer's claim latency measured before and during the cleanup.
 
-mod conformance;
+use inbox_test_kit as conformance;
 
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};

@@ -2,7 +2,7 @@
 //! that misbehave. Whatever the schedule, on SQLite and on PostgreSQL, every message's effect is
 //! committed exactly once per consumer, and nothing is acked before the inbox holds its outcome.
 
-mod conformance;
+use inbox_test_kit as conformance;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};

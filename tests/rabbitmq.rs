@@ -1,9 +1,8 @@
 //! The conformance suite on a real RabbitMQ (`AMQP_URL`) with PostgreSQL, plus what only a real
 //! server can show: the server force-closing the connections mid-stream, and messages published
 //! by another client (`rabbitmqadmin`) handled exactly once by the demo's consumers.
-#![cfg(feature = "rabbitmq")]
 
-mod conformance;
+use inbox_test_kit::{self as conformance, conformance_suite};
 
 use std::sync::Arc;
 

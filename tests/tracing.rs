@@ -1,7 +1,7 @@
 //! The span of each delivery, read back through a `tracing` layer: consumer, transport, message
 //! id, attempt, outcome, and the producer's trace from a W3C `traceparent` header.
 
-mod conformance;
+use inbox_test_kit as conformance;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -8,20 +8,25 @@ use inbox::{ConsumerName, InboxAdmin, InboxStore, PgTx, PostgresStore, SqliteSto
 use sqlx::migrate::Migrator;
 use sqlx::{Connection, Executor};
 
-use super::services;
+use crate::services;
 
 /// An inbox row as the tests inspect it.
 #[derive(Debug, Clone)]
 pub struct InboxRow {
+    /// `processed_at` is set.
     pub processed: bool,
+    /// `dead_lettered_at` is set.
     pub dead: bool,
+    /// Handler attempts counted.
     pub attempts: i64,
+    /// The last failure's text.
     pub last_error: Option<String>,
 }
 
 /// A database the conformance suite can run on.
 #[async_trait]
 pub trait TestDb: Send + Sync + Sized + 'static {
+    /// The store under test.
     type Store: InboxAdmin + Clone;
     /// Whether several write transactions run at once (not on SQLite).
     const CONCURRENT_WRITERS: bool;

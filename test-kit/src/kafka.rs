@@ -9,7 +9,7 @@ use inbox::kafka::{KafkaConfig, KafkaTransport};
 use inbox::memory::Faults;
 use inbox::{ConsumerName, OutgoingMessage, Transport};
 
-use super::{BrokerFactory, TestBroker, services};
+use crate::{BrokerFactory, TestBroker, services};
 
 /// Produces the demo's events with PyPI's `confluent-kafka` (not our code): `events` events to
 /// `topic`, the first `duplicated` of them sent twice (a producer retrying), each with its id in
@@ -64,14 +64,18 @@ sys.exit(1 if left else 0)
 /// A transport per scenario (topics and groups are unique per scenario); `ordered: false` handles
 /// records concurrently whatever their partition.
 pub struct Kafka {
+    /// Records of a partition one at a time, in offset order (the transport's default).
     pub ordered: bool,
 }
 
+/// One scenario's Kafka transport.
 pub struct KafkaTestBroker {
+    /// The transport, for inspection.
     pub transport: Arc<KafkaTransport>,
 }
 
 impl Kafka {
+    /// A transport on `KAFKA_BROKERS` with a short commit interval and session.
     pub fn start_kafka(&self) -> KafkaTestBroker {
         let config = KafkaConfig::new(services::kafka_brokers())
             .commit_interval(Duration::from_millis(100))
@@ -98,15 +102,10 @@ impl TestBroker for KafkaTestBroker {
     }
     async fn settled(&self, source: &str, consumers: &[&ConsumerName]) -> Result<(), String> {
         let mut left = Vec::new();
-        for consumer in consumers {
-            let lag = self
-                .transport
-                .consumer_lag(source, consumer.as_str())
-                .await
-                .map_err(|e| e.to_string())?;
-            if lag > 0 {
-                left.push(format!("{consumer}: {lag} records not committed"));
-            }
+        let groups: Vec<&str> = consumers.iter().map(|c| c.as_str()).collect();
+        match lag(&self.transport, source, &groups).await? {
+            0 => {}
+            n => left.push(format!("{n} records not committed by {groups:?}")),
         }
         match self.transport.unsettled() {
             0 => {}
@@ -137,4 +136,17 @@ impl BrokerFactory for Kafka {
     async fn start(&self, _faults: Faults) -> Box<dyn TestBroker> {
         Box::new(self.start_kafka())
     }
+}
+
+/// Records of `source` not yet committed by these consumer groups, summed: what every Kafka
+/// test waits to see reach 0.
+pub async fn lag(transport: &KafkaTransport, source: &str, groups: &[&str]) -> Result<i64, String> {
+    let mut lag = 0;
+    for group in groups {
+        lag += transport
+            .consumer_lag(source, group)
+            .await
+            .map_err(|e| format!("lag of {group} on {source}: {e}"))?;
+    }
+    Ok(lag)
 }

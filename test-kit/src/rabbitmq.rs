@@ -8,10 +8,11 @@ use inbox::rabbitmq::testing::Inspect as _;
 use inbox::rabbitmq::{QueueType, RabbitMqConfig, RabbitMqTransport, queue_name};
 use inbox::{ConsumerName, OutgoingMessage, Transport};
 
-use super::{BrokerFactory, TestBroker, services};
+use crate::{BrokerFactory, TestBroker, services};
 
 /// A transport per scenario (names are unique per scenario, so they do not meet).
 pub struct RabbitMq {
+    /// The transport's settings.
     pub config: RabbitMqConfig,
     /// Another URL than `AMQP_URL` (a vhost of its own).
     pub url: Option<String>,
@@ -30,7 +31,9 @@ impl RabbitMq {
     }
 }
 
+/// One scenario's RabbitMQ transport.
 pub struct RabbitTestBroker {
+    /// The transport, for inspection.
     pub transport: Arc<RabbitMqTransport>,
 }
 
@@ -101,6 +104,7 @@ impl BrokerFactory for RabbitMq {
 }
 
 impl RabbitMq {
+    /// A transport connected to `AMQP_URL` (or [`url`](Self::url)).
     pub async fn start_rabbit(&self) -> RabbitTestBroker {
         let url = self.url.clone().unwrap_or_else(services::amqp_url);
         let transport = RabbitMqTransport::connect(url, self.config.clone())

@@ -8,8 +8,8 @@ use std::collections::HashMap;
 use inbox::OutgoingMessage;
 use inbox::dead_letter::headers as h;
 
-use super::demo::DemoConsumer;
-use super::eventually;
+use crate::demo::DemoConsumer;
+use crate::eventually;
 
 /// Bad ids, each marked by its payload `{"case": <name>}`, with what the reason must say.
 pub const BAD_IDS: [(&str, &str); 5] = [
@@ -102,7 +102,7 @@ else:
         .args(args)
         .kill_on_drop(true)
         .output();
-    let output = tokio::time::timeout(super::DEADLINE, output)
+    let output = tokio::time::timeout(crate::DEADLINE, output)
         .await
         .expect("the third-party producer returns")
         .expect("python3 runs");

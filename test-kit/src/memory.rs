@@ -6,7 +6,7 @@ use async_trait::async_trait;
 use inbox::memory::{Faults, MemoryBroker};
 use inbox::{ConsumerName, OutgoingMessage, Transport};
 
-use super::{BrokerFactory, TestBroker};
+use crate::{BrokerFactory, TestBroker};
 
 /// A fresh in-process broker per scenario, honouring injected faults.
 pub struct Memory;

@@ -15,18 +15,31 @@ use inbox::{CleanupReport, ConsumerName, InboxAdmin, InboxStore, MessageId, Stor
 /// The store methods a fault can be aimed at.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Method {
+    /// `begin`: a transaction.
     Begin,
+    /// `claim`: one message's row.
     Claim,
+    /// `claim_batch`: many rows in one statement.
     ClaimBatch,
+    /// `savepoint` before a handler in a batch.
     Savepoint,
+    /// `rollback_to_savepoint` after a handler failed in a batch.
     RollbackToSavepoint,
+    /// `release_savepoint` after a handler succeeded in a batch.
     ReleaseSavepoint,
+    /// `release_claim`: a batch-mate's claim given back.
     ReleaseClaim,
+    /// `mark_dead_claimed`: a claimed row dead-lettered in the transaction.
     MarkDeadClaimed,
+    /// `commit` of the inbox transaction.
     Commit,
+    /// `record_failure`, in its own transaction.
     RecordFailure,
+    /// `record_dead`, in its own transaction.
     RecordDead,
+    /// `note_delivery`: the attempt counted before a handler runs.
     NoteDelivery,
+    /// `revive`: a dead letter made claimable again (replay).
     Revive,
 }
 
@@ -48,6 +61,7 @@ struct Injected {
     remaining: u32,
 }
 
+/// A store that fails where it is told to (see the module's docs); clones share the faults.
 #[derive(Clone)]
 pub struct FlakyStore<S> {
     inner: S,
@@ -62,6 +76,7 @@ pub struct FlakyStore<S> {
 }
 
 impl<S> FlakyStore<S> {
+    /// Wraps `inner`, with no fault yet.
     pub fn new(inner: S) -> Self {
         Self {
             inner,
@@ -83,6 +98,7 @@ impl<S> FlakyStore<S> {
         }
     }
 
+    /// Switches the whole database off (every call fails as a lost connection) or on again.
     pub fn set_down(&self, down: bool) {
         self.down.store(down, Ordering::SeqCst);
     }

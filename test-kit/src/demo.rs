@@ -4,8 +4,10 @@
 
 use std::process::Stdio;
 
-use super::stores::Postgres;
-use super::{DEADLINE, eventually};
+use tokio::process::{Child, Command};
+
+use crate::stores::Postgres;
+use crate::{DEADLINE, eventually};
 
 /// The demo binary, built by cargo next to the test binaries (`target/<profile>/examples`).
 pub fn binary() -> std::path::PathBuf {
@@ -25,8 +27,10 @@ pub fn binary() -> std::path::PathBuf {
 
 /// `parcel_tracker consume` running against a fresh PostgreSQL database.
 pub struct DemoConsumer {
-    child: tokio::process::Child,
+    child: Child,
+    /// The demo's own database (a fresh one).
     pub database: String,
+    /// The source it consumes.
     pub source: String,
     pool: sqlx::PgPool,
 }
@@ -35,23 +39,7 @@ impl DemoConsumer {
     /// Starts consuming `source` (both consumers) over `transport`, with `env` for the broker.
     pub async fn start(transport: &str, source: &str, env: &[(&str, String)]) -> Self {
         let database = Postgres::fresh_url().await;
-        let demo = binary();
-        let child = tokio::process::Command::new(&demo)
-            .args([
-                "consume",
-                "--transport",
-                transport,
-                "--database",
-                &database,
-                "--source",
-                source,
-            ])
-            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-            .env("RUST_LOG", "warn")
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {}: {e}", demo.display()));
+        let child = spawn_consume(transport, &database, source, &[], env, "warn");
         let pool = sqlx::PgPool::connect(&database)
             .await
             .expect("the demo's database");
@@ -79,13 +67,7 @@ impl DemoConsumer {
 
     /// SIGTERM; the demo must drain and exit 0. Returns what it printed on stderr.
     pub async fn stop(self) -> String {
-        let pid = self.child.id().expect("running");
-        let killed = tokio::process::Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
-            .status()
-            .await
-            .unwrap();
-        assert!(killed.success());
+        terminate(&self.child).await;
         let output = tokio::time::timeout(DEADLINE, self.child.wait_with_output())
             .await
             .expect("the demo drains and exits after SIGTERM")
@@ -111,7 +93,7 @@ impl DemoConsumer {
                 "{line}"
             );
         }
-        let report = tokio::process::Command::new(binary())
+        let report = Command::new(binary())
             .args([
                 "report",
                 "--database",
@@ -128,4 +110,61 @@ impl DemoConsumer {
             "every parcel: one notification, one booking"
         );
     }
+}
+
+/// Starts `parcel_tracker consume --transport … --database … --source …` and `extra` arguments,
+/// with `env` and `RUST_LOG=log`; stderr piped, killed when dropped.
+pub fn spawn_consume(
+    transport: &str,
+    database: &str,
+    source: &str,
+    extra: &[&str],
+    env: &[(&str, String)],
+    log: &str,
+) -> Child {
+    let demo = binary();
+    Command::new(&demo)
+        .args([
+            "consume",
+            "--transport",
+            transport,
+            "--database",
+            database,
+            "--source",
+            source,
+        ])
+        .args(extra)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .env("RUST_LOG", log)
+        .env("NO_COLOR", "1")
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {}: {e}", demo.display()))
+}
+
+/// Sends SIGTERM: the demo is to drain and exit 0 (the caller waits for it).
+pub async fn terminate(child: &Child) {
+    let pid = child.id().expect("running");
+    let killed = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .await
+        .expect("kill -TERM");
+    assert!(killed.success(), "kill -TERM {pid}: {killed}");
+}
+
+/// The demo's `report --json` on `database`: parcels complete, double effects.
+pub async fn report(database: &str) -> serde_json::Value {
+    let output = Command::new(binary())
+        .args(["report", "--json", "--database", database])
+        .output()
+        .await
+        .expect("run the demo's report");
+    serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+        panic!(
+            "report --json: {e}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })
 }

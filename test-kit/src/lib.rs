@@ -1,0 +1,156 @@
+//! The project's test kit (not published): the conformance suite — every scenario written once,
+//! as a plain async function over a broker factory and a database, and run on every (transport,
+//! store) pair by [`conformance_suite!`] — with the broker and store factories it runs on, the
+//! fault-injecting wrappers ([`flaky`], [`crash`]), and the demo-process runner ([`demo`]) that the
+//! cross-client tests and the crash harness share.
+//!
+//! The integration tests in `tests/` use it as `use inbox_test_kit as conformance;`. How to add
+//! a scenario, a transport or a store: `docs/design.md`, "Contributing".
+
+pub mod crash;
+pub mod demo;
+pub mod flaky;
+pub mod hostile;
+pub mod kafka;
+pub mod memory;
+pub mod rabbitmq;
+pub mod scenarios;
+pub mod services;
+pub mod stores;
+pub mod world;
+
+pub use crash::CrashBeforeFirstAck;
+pub use scenarios::*;
+pub use world::{Hook, Running, Scenario, Script, TestHandler, refusing};
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use inbox::memory::Faults;
+use inbox::{ConsumerName, OutgoingMessage, Transport};
+
+pub use stores::TestDb;
+
+tokio::task_local! {
+    /// Set by `conformance_suite!(…, batched)`: the scenarios' consumers run in batch mode.
+    pub static BATCHED: bool;
+}
+
+/// How long any scenario waits for a condition before it fails.
+pub const DEADLINE: Duration = Duration::from_secs(60);
+
+/// A broker prepared for one scenario.
+#[async_trait]
+pub trait TestBroker: Send + Sync {
+    /// A transport on this broker (instances may share it).
+    fn transport(&self) -> Arc<dyn Transport>;
+    /// Declares what a publish before the first subscription needs (queues, groups).
+    async fn prepare(&self, source: &str, consumers: &[&ConsumerName]);
+    /// `Ok` when nothing waits and nothing is unacknowledged for these consumers.
+    async fn settled(&self, source: &str, consumers: &[&ConsumerName]) -> Result<(), String>;
+    /// Everything published to `destination` so far.
+    async fn published(&self, destination: &str) -> Vec<OutgoingMessage>;
+    /// Broker connections opened so far (more than one: the transport reconnected).
+    fn connections_opened(&self) -> usize {
+        1
+    }
+}
+
+/// Makes a fresh broker per scenario.
+#[async_trait]
+pub trait BrokerFactory: Send + Sync {
+    /// For test names and messages.
+    fn name(&self) -> &'static str;
+    /// Whether [`start`](Self::start) honours injected faults.
+    fn injects_faults(&self) -> bool;
+    /// A broker; `faults` where supported.
+    async fn start(&self, faults: Faults) -> Box<dyn TestBroker>;
+}
+
+/// Logs to the test output, filtered by `TEST_LOG` (for example `TEST_LOG=inbox_core=debug`).
+pub fn init_tracing() {
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_env("TEST_LOG").unwrap_or_else(|_| "off".into());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_test_writer()
+        .try_init();
+}
+
+/// Polls `check` until it returns `Ok`, failing with its last message at the deadline.
+pub async fn eventually<F, Fut>(what: &str, check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    eventually_within(what, DEADLINE, check).await;
+}
+
+/// [`eventually`] with a deadline of its own.
+pub async fn eventually_within<F, Fut>(what: &str, limit: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        // A check that hangs (a broker call with no answer) fails at the deadline too.
+        let last = match tokio::time::timeout_at(deadline, check()).await {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => e,
+            Err(_) => "the last check did not return".to_owned(),
+        };
+        if tokio::time::Instant::now() >= deadline {
+            panic!("{what}: not reached within {limit:?}: {last}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Generates one `#[tokio::test]` per scenario for a (broker factory, database) pair.
+#[macro_export]
+macro_rules! conformance_suite {
+    ($module:ident, $brokers:expr, $db:expr) => {
+        $crate::conformance_suite!($module, $brokers, $db, batched = false);
+    };
+    ($module:ident, $brokers:expr, $db:expr, batched = $batched:expr) => {
+        mod $module {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::conformance_suite!(@tests $brokers, $db, $batched;
+                exactly_once_under_duplicates,
+                crash_before_ack_leaves_one_effect,
+                killed_and_restarted,
+                concurrent_duplicates_never_commit_twice,
+                failing_handler_is_retried_then_succeeds,
+                two_consumers_each_handle_once,
+                invalid_ids_are_dead_lettered,
+                poison_messages_are_dead_lettered,
+                shutdown_drains_in_flight,
+                hostile_values_are_bound_parameters,
+                cleanup_keeps_dead_letters,
+                migrations_coexist_with_the_application,
+                an_instance_joins_mid_stream,
+                crash_looping_message_is_dead_lettered,
+                dead_letters_are_replayed,
+                store_outage_pauses_deliveries,
+                swallowed_database_errors_lose_nothing,
+                error_texts_with_nul_are_stored,
+                store_faults_neither_wedge_nor_stop,
+            );
+        }
+    };
+    (@tests $brokers:expr, $db:expr, $batched:expr; $($scenario:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $scenario() {
+                $crate::init_tracing();
+                let db = std::sync::Arc::new($db.await);
+                $crate::BATCHED
+                    .scope($batched, $crate::$scenario(&$brokers, &db))
+                    .await;
+            }
+        )*
+    };
+}

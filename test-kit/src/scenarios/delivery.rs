@@ -1,0 +1,323 @@
+//! Delivery: every message has one effect per consumer, whatever the broker and the consumers'
+//! lifecycle do — producer duplicates, crashes between commit and ack, kills, concurrent copies,
+//! several consumers, a drain on shutdown, an instance joining mid-stream.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use inbox::Transport;
+use inbox::memory::Faults;
+
+use super::faults_or_none;
+use crate::{
+    BATCHED, BrokerFactory, CrashBeforeFirstAck, Hook, Running, Scenario, Script, TestDb,
+    eventually,
+};
+
+/// Duplicates from the producer (and, where the broker injects them, duplicate publishes, lost
+/// acks, concurrent copies and reordering): every message has exactly one effect.
+pub async fn exactly_once_under_duplicates<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    let faults = Faults::seeded(11)
+        .duplicate_publish(0.3)
+        .lose_ack(0.2)
+        .concurrent_copy(0.2)
+        .reorder(0.3);
+    let s = Scenario::new(brokers, db, faults_or_none(brokers, faults)).await;
+    let name = s.name("dedup");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = (0..120).map(|i| s.id(i)).collect();
+    let mut producer_duplicates = 0;
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+        if i % 3 == 0 {
+            s.publish(id, i).await;
+            producer_duplicates += 1;
+        }
+    }
+    let script = Arc::new(Script::default());
+    let consumer = s.consumer(&name, &script);
+    let running = Running::start(&consumer, 2);
+    s.wait_for(&[&name], ids.len()).await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+    let report = consumer.report();
+    assert_eq!(report.processed, ids.len() as u64, "{report:?}");
+    assert!(
+        report.duplicates_discarded >= producer_duplicates,
+        "{report:?}"
+    );
+    assert_eq!(report.failed, 0, "{report:?}");
+}
+
+/// The consumer "crashes" between commit and ack for every message: each comes back and is
+/// discarded as a duplicate; one effect each.
+pub async fn crash_before_ack_leaves_one_effect<D: TestDb>(
+    brokers: &dyn BrokerFactory,
+    db: &Arc<D>,
+) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = s.name("crash");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = (0..40).map(|i| s.id(i)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    let crashing = Arc::new(CrashBeforeFirstAck::new(s.broker.transport()));
+    let script = Arc::new(Script::default());
+    let consumer = s.consumer_on(crashing.clone(), &name, &script);
+    let mut running = Running::start(&consumer, 1);
+    if !crashing.capabilities().requeue {
+        // Without requeue (Kafka) a message comes back only from the last committed offset:
+        // after a restart, as after a real crash.
+        eventually("every message handled once", || async {
+            match consumer.report().processed {
+                n if n == ids.len() as u64 => Ok(()),
+                n => Err(format!("{n} processed")),
+            }
+        })
+        .await;
+        running.stop().await;
+        running = Running::start(&consumer, 1);
+    }
+    eventually(
+        "every message redelivered after its commit and discarded",
+        || async {
+            let report = consumer.report();
+            if report.duplicates_discarded < ids.len() as u64 {
+                return Err(format!("{report:?}"));
+            }
+            s.broker.settled(&s.source, &[&name]).await
+        },
+    )
+    .await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+    assert_eq!(crashing.crashes.load(Ordering::SeqCst), ids.len());
+    assert_eq!(consumer.report().processed, ids.len() as u64);
+}
+
+/// Consumer instances killed mid-stream (no drain) and restarted: nothing lost, nothing doubled.
+pub async fn killed_and_restarted<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = s.name("killed");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = (0..150).map(|i| s.id(i)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    let script = Arc::new(Script {
+        hook: Some(Arc::new(|_, _| {
+            Box::pin(async {
+                tokio::task::yield_now().await;
+                Ok(())
+            })
+        })),
+        ..Script::default()
+    });
+    let consumer = s.consumer(&name, &script);
+    for round in 1..=5 {
+        let running = Running::start(&consumer, 2);
+        let target = (ids.len() * round / 6) as i64;
+        s.wait_for_effects(target).await;
+        running.abort().await;
+    }
+    let running = Running::start(&consumer, 2);
+    s.wait_for(&[&name], ids.len()).await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+}
+
+/// Several instances get copies of the same messages at the same moment: no double commit.
+pub async fn concurrent_duplicates_never_commit_twice<D: TestDb>(
+    brokers: &dyn BrokerFactory,
+    db: &Arc<D>,
+) {
+    let faults = Faults::seeded(5).concurrent_copy(0.5).max_per_message(2);
+    let s = Scenario::new(brokers, db, faults_or_none(brokers, faults)).await;
+    let name = s.name("concurrent");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = (0..60).map(|i| s.id(i)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        for _ in 0..3 {
+            s.publish(id, i).await;
+        }
+    }
+    let script = Arc::new(Script {
+        // Widen the window between claim and commit.
+        hook: Some(Arc::new(|_, _| {
+            Box::pin(async {
+                for _ in 0..5 {
+                    tokio::task::yield_now().await;
+                }
+                Ok(())
+            })
+        })),
+        ..Script::default()
+    });
+    let consumer = s.consumer(&name, &script);
+    let running = Running::start(&consumer, 4);
+    s.wait_for(&[&name], ids.len()).await;
+    eventually("all copies settled", || async {
+        let report = consumer.report();
+        if report.duplicates_discarded >= 2 * ids.len() as u64 {
+            Ok(())
+        } else {
+            Err(format!("{report:?}"))
+        }
+    })
+    .await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+    let report = consumer.report();
+    assert_eq!(report.processed, ids.len() as u64, "{report:?}");
+    assert_eq!(
+        report.failed, 0,
+        "a concurrent copy waits instead of failing: {report:?}"
+    );
+}
+
+/// Two consumers of one source each handle every message once, independently.
+pub async fn two_consumers_each_handle_once<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let (a, b) = (s.name("notification"), s.name("carrier-assignment"));
+    s.broker.prepare(&s.source, &[&a, &b]).await;
+    let ids: Vec<String> = (0..30).map(|i| s.id(i)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+        s.publish(id, i).await;
+    }
+    let script = Arc::new(Script::default());
+    let (ca, cb) = (s.consumer(&a, &script), s.consumer(&b, &script));
+    let (ra, rb) = (Running::start(&ca, 1), Running::start(&cb, 1));
+    s.wait_for(&[&a, &b], 2 * ids.len()).await;
+    ra.stop().await;
+    rb.stop().await;
+    s.assert_exactly_once(&[&a, &b], &ids).await;
+    assert_eq!(ca.report().processed, ids.len() as u64);
+    assert_eq!(cb.report().processed, ids.len() as u64);
+}
+
+/// Shutdown: stop taking deliveries, let in-flight handlers finish and commit and ack, return.
+/// A restart then handles the rest, each once.
+pub async fn shutdown_drains_in_flight<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = s.name("drain");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = (0..12).map(|i| s.id(i)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    let entered = Arc::new(AtomicUsize::new(0));
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let script = Arc::new(Script {
+        hook: Some({
+            let (entered, release) = (Arc::clone(&entered), Arc::clone(&release));
+            Arc::new(move |_, _| {
+                let (entered, release) = (Arc::clone(&entered), Arc::clone(&release));
+                Box::pin(async move {
+                    entered.fetch_add(1, Ordering::SeqCst);
+                    release.acquire().await.unwrap().forget();
+                    Ok(())
+                })
+            })
+        }),
+        ..Script::default()
+    });
+    let consumer = s.consumer(&name, &script).concurrency(3).prefetch(3);
+    let running = Running::start(&consumer, 1);
+    // A single-writer database lets one handler in at a time; the others wait in BEGIN. An
+    // ordered transport queues a partition's deliveries behind the one in its handler.
+    let ordered = s.broker.transport().capabilities().ordered;
+    let in_handler = if D::CONCURRENT_WRITERS { 3 } else { 1 };
+    // In batch mode the deliveries of a batch are counted when it commits.
+    let batched = BATCHED.try_with(|b| *b).unwrap_or(false);
+    eventually("handlers in flight", || async {
+        let (entered, taken) = (entered.load(Ordering::SeqCst), consumer.report().deliveries);
+        let ready = if batched {
+            entered >= 1
+        } else if ordered {
+            entered >= 1 && entered as u64 == taken
+        } else {
+            entered == in_handler && taken == 3
+        };
+        if ready {
+            Ok(())
+        } else {
+            Err(format!(
+                "{entered} in the handler, {taken} deliveries taken"
+            ))
+        }
+    })
+    .await;
+    running.token().cancel();
+    release.add_permits(1000);
+    running.stop().await;
+    let handled: i64 = s.effects().await.values().sum();
+    let report = consumer.report();
+    assert_eq!(
+        handled as u64, report.processed,
+        "what was handled was committed: {report:?}"
+    );
+    assert_eq!(
+        report.deliveries, report.processed,
+        "every delivery taken in finished; none after the stop: {report:?}"
+    );
+    assert_eq!(
+        entered.load(Ordering::SeqCst) as u64,
+        report.processed,
+        "{report:?}"
+    );
+    if !ordered && !batched {
+        assert_eq!(
+            report.processed, 3,
+            "exactly the in-flight messages were finished"
+        );
+    }
+
+    let running = Running::start(&consumer, 1);
+    s.wait_for(&[&name], ids.len()).await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+}
+
+/// A second instance joins while the first consumes (a rebalance on Kafka): it gets work, and
+/// every message still has exactly one effect.
+pub async fn an_instance_joins_mid_stream<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = s.name("joined");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = (0..600).map(|i| s.id(i)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    // Handlers that take a while, so that the stream is not over before the join takes effect.
+    let slow: Hook = Arc::new(|_, _| {
+        Box::pin(async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            Ok(())
+        })
+    });
+    let script = Arc::new(Script {
+        hook: Some(slow),
+        ..Script::default()
+    });
+    let first = s.consumer(&name, &script);
+    let second = s.consumer(&name, &script);
+    let running_first = Running::start(&first, 1);
+    s.wait_for_effects(50).await;
+    let running_second = Running::start(&second, 1);
+    s.wait_for(&[&name], ids.len()).await;
+    running_first.stop().await;
+    running_second.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+    assert!(
+        second.report().processed > 0,
+        "the joining instance got work: {:?}",
+        second.report()
+    );
+    assert_eq!(
+        first.report().processed + second.report().processed,
+        ids.len() as u64
+    );
+}

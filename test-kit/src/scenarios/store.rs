@@ -1,0 +1,416 @@
+//! The store and its operators: dead letters replayed, an outage of the database, values bound
+//! as parameters, cleanup, migrations beside the application's own, and faults aimed at single
+//! store methods (a commit applied whose reply is lost among them).
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use inbox::memory::Faults;
+use inbox::{Consumer, ConsumerName, InboxAdmin, InboxStore, RetryPolicy};
+
+use super::reasons_by_id;
+use crate::flaky;
+use crate::{
+    BATCHED, BrokerFactory, Running, Scenario, Script, TestDb, TestHandler, eventually, refusing,
+};
+
+/// The operator's replay: dead letters are read back from the dead-letter destination, the dead
+/// mark is cleared and the message published to its source again, and then it is handled once —
+/// by the consumer that gave up on it, while every other consumer of the source discards the copy.
+pub async fn dead_letters_are_replayed<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    use inbox::dead_letter::{Replay, replay};
+
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let (name, other) = (s.name("replayed"), s.name("bystander"));
+    s.broker.prepare(&s.source, &[&name, &other]).await;
+    let ids: Vec<String> = (0..8).map(|i| s.id(i)).collect();
+    let (a, b) = (ids[6].clone(), ids[7].clone());
+    // A bug makes the handler refuse a and b, until the fix is deployed.
+    let broken = Arc::new(Mutex::new(HashSet::from([a.clone(), b.clone()])));
+    let script = Arc::new(Script {
+        hook: Some(refusing(&broken)),
+        ..Script::default()
+    });
+    let consumer = s.consumer(&name, &script);
+    let bystander = s.consumer(&other, &Arc::new(Script::default()));
+    let running = Running::start(&consumer, 1);
+    let running_other = Running::start(&bystander, 1);
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    s.wait_for(&[&name, &other], 6 + 8).await;
+    eventually("a and b dead", || async {
+        let dead = s.store.dead_letters(Some(&name), 100).await.unwrap();
+        if dead.len() == 2 {
+            Ok(())
+        } else {
+            Err(format!("{dead:?}"))
+        }
+    })
+    .await;
+    broken.lock().unwrap().clear();
+
+    let transport = s.broker.transport();
+    let destination = s.dead_letter_destination();
+    let id_of = |id: &str| inbox::MessageId::new(id.to_owned()).unwrap();
+    // A broker may show a just-published dead letter a moment late: the replay then says it is
+    // missing, and running it again is safe.
+    let first = Mutex::new(None);
+    eventually("a replayed", || async {
+        let report = replay(
+            &*transport,
+            &s.store,
+            &name,
+            &destination,
+            Replay::Ids(vec![id_of(&a)]),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        let done = report.replayed == vec![a.clone()];
+        *first.lock().unwrap() = Some(report.clone());
+        if done {
+            Ok(())
+        } else {
+            Err(format!("{report:?}"))
+        }
+    })
+    .await;
+    let first = first.into_inner().unwrap().unwrap();
+    assert!(
+        first.not_dead.is_empty() && first.missing.is_empty(),
+        "{first:?}"
+    );
+    eventually("a handled", || async {
+        let n = s
+            .effects()
+            .await
+            .get(&(name.to_string(), a.clone()))
+            .copied();
+        if n == Some(1) {
+            Ok(())
+        } else {
+            Err(format!("{n:?}"))
+        }
+    })
+    .await;
+
+    // Asking again for a (now processed) and for an id never seen replays nothing.
+    let again = replay(
+        &*transport,
+        &s.store,
+        &name,
+        &destination,
+        Replay::Ids(vec![id_of(&a), id_of("never-seen")]),
+    )
+    .await
+    .unwrap();
+    assert!(again.replayed.is_empty(), "{again:?}");
+    assert_eq!(again.not_dead, vec![a.clone(), "never-seen".to_owned()]);
+
+    // Retention passes before b's replay: the bystander's record of b is cleaned up, and only
+    // the replay's addressee keeps it from handling b a second time.
+    let cleaned = s.store.cleanup(Duration::ZERO, 1000).await.unwrap();
+    assert!(cleaned.deleted >= 8, "{cleaned:?}");
+    assert!(
+        s.db.row(&s.store, &other, &b).await.is_none(),
+        "the bystander's row of b is gone"
+    );
+    let all = replay(&*transport, &s.store, &name, &destination, Replay::All)
+        .await
+        .unwrap();
+    assert_eq!(all.replayed, vec![b.clone()], "{all:?}");
+    s.wait_for(&[&name, &other], 16).await;
+    eventually("the bystander discarded both copies", || async {
+        let n = bystander.report().duplicates_discarded;
+        if n >= 2 {
+            Ok(())
+        } else {
+            Err(format!("{n} duplicates"))
+        }
+    })
+    .await;
+    running.stop().await;
+    running_other.stop().await;
+    s.assert_exactly_once(&[&name, &other], &ids).await;
+    assert_eq!(
+        script.calls(&a),
+        2,
+        "refused once, handled once after the replay"
+    );
+    assert_eq!(script.calls(&b), 2);
+    let stats = s.store.stats(Some(&name)).await.unwrap();
+    // Processed rows were cleaned up before b's replay: b's is the one left.
+    assert_eq!((stats[0].processed, stats[0].dead), (1, 0), "{stats:?}");
+    let nothing_left = replay(&*transport, &s.store, &name, &destination, Replay::All)
+        .await
+        .unwrap();
+    assert_eq!(nothing_left, inbox::dead_letter::ReplayReport::default());
+}
+
+/// The database goes away: the consumer stops taking deliveries, one task probes with backoff
+/// (not one per message, not a hot loop), and it resumes by itself when the database is back.
+pub async fn store_outage_pauses_deliveries<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    use flaky::FlakyStore;
+    use std::time::Instant;
+
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = s.name("outage");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let store = FlakyStore::new(s.store.clone());
+    let handler = TestHandler {
+        run: s.run.clone(),
+        script: Arc::new(Script::default()),
+        db: Arc::clone(&s.db),
+    };
+    let (min_delay, max_delay) = (Duration::from_millis(10), Duration::from_millis(200));
+    let concurrency = 4;
+    let consumer = Consumer::new(
+        name.clone(),
+        s.source.clone(),
+        s.broker.transport(),
+        store.clone(),
+        handler,
+    )
+    .concurrency(concurrency)
+    .reconnect_backoff(RetryPolicy::default().with_delays(min_delay, max_delay));
+    let ids: Vec<String> = (0..40).map(|i| s.id(i)).collect();
+    let running = Running::start(&consumer, 1);
+    for (i, id) in ids[..10].iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    s.wait_for(&[&name], 10).await;
+    let before = consumer.report().deliveries;
+
+    store.set_down(true);
+    let down_at = Instant::now();
+    for (i, id) in ids.iter().enumerate().skip(10) {
+        s.publish(id, i).await;
+    }
+    eventually("the consumer probing the dead store", || async {
+        match store.refused() {
+            n if n >= 12 => Ok(()),
+            n => Err(format!("{n} refused calls")),
+        }
+    })
+    .await;
+    let (elapsed, refused) = (down_at.elapsed(), store.refused());
+    let taken = consumer.report().deliveries - before;
+    assert!(
+        taken <= concurrency as u64,
+        "no new deliveries while the store is down, beyond one per handler slot: {taken}"
+    );
+    // Each delivery in flight fails once and then waits; after that only the one prober calls,
+    // at backoff delays of at least 10, 20, 40, ... 200 ms (jitter only adds).
+    let mut probes = 0u64;
+    let mut at = Duration::ZERO;
+    let mut delay = min_delay;
+    while at <= elapsed {
+        probes += 1;
+        at += delay;
+        delay = (delay * 2).min(max_delay);
+    }
+    assert!(
+        refused <= taken + probes + 1,
+        "{refused} store calls in {elapsed:?} while down: more than {taken} in flight + {probes} probes"
+    );
+
+    store.set_down(false);
+    s.wait_for(&[&name], ids.len()).await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+}
+
+/// Quotes, semicolons and SQL keywords in consumer names and ids are just text.
+pub async fn hostile_values_are_bound_parameters<D: TestDb>(
+    brokers: &dyn BrokerFactory,
+    db: &Arc<D>,
+) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = ConsumerName::new(format!(
+        "o'brien\"; DROP TABLE inbox_messages; -- {}",
+        s.run
+    ))
+    .unwrap();
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = [
+        "'); DELETE FROM inbox_messages; --",
+        "\" OR 1=1 --",
+        "%_\\ LIKE 'x'",
+        "Robert'); DROP TABLE conformance_effects;--",
+        "$1 $2 ? :name @p",
+    ]
+    .iter()
+    .map(|v| format!("{v} {}", s.run))
+    .collect();
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+        s.publish(id, i).await;
+    }
+    let script = Arc::new(Script::default());
+    let consumer = s.consumer(&name, &script);
+    let running = Running::start(&consumer, 1);
+    s.wait_for(&[&name], ids.len()).await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+    for id in &ids {
+        let row =
+            s.db.row(&s.store, &name, id)
+                .await
+                .expect("stored verbatim");
+        assert!(row.processed);
+    }
+}
+
+/// Cleanup deletes processed rows in batches and keeps dead-lettered ones.
+pub async fn cleanup_keeps_dead_letters<D: TestDb>(brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = s.name("cleanup");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let ids: Vec<String> = (0..25).map(|i| s.id(i)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    let script = Arc::new(Script {
+        permanent: HashSet::from([ids[0].clone()]),
+        ..Script::default()
+    });
+    let consumer = s.consumer(&name, &script);
+    let running = Running::start(&consumer, 1);
+    s.wait_for(&[&name], ids.len() - 1).await;
+    running.stop().await;
+    // Each scenario has a database of its own: the counts are exactly ours.
+    let report = s
+        .store
+        .cleanup(Duration::from_secs(3600), 10)
+        .await
+        .unwrap();
+    assert!(!report.skipped_locked);
+    let stats = s.store.stats(Some(&name)).await.unwrap();
+    assert_eq!(
+        stats[0].rows, 25,
+        "nothing is younger than an hour ago: {report:?}"
+    );
+    let report = s.store.cleanup(Duration::ZERO, 10).await.unwrap();
+    assert!(report.deleted == 24 && report.batches == 3, "{report:?}");
+    let stats = s.store.stats(Some(&name)).await.unwrap();
+    assert_eq!(
+        (stats[0].rows, stats[0].dead),
+        (1, 1),
+        "only the dead row is left: {stats:?}"
+    );
+}
+
+/// Our migrations are idempotent and keep out of the application's own sqlx migrations.
+pub async fn migrations_coexist_with_the_application<D: TestDb>(
+    _brokers: &dyn BrokerFactory,
+    db: &Arc<D>,
+) {
+    let store = db.store().await;
+    store.migrate().await.expect("migrating again is a no-op");
+    db.check_app_migrations_coexist().await;
+}
+
+/// Faults as fine as the world's, aimed at one store method: a failure whose recording loses its
+/// connection (the outage gate must reopen by itself — it once stayed shut with nobody probing),
+/// a failure the table refuses to record (the message is dead-lettered instead of retried
+/// uncounted for ever), a dead mark the table refuses (the dead letter is out: the consumer goes
+/// on), a dead mark whose connection is lost (tried again), and commits applied whose reply is
+/// lost (the retry finds them done: no second effect). The consumer never stops, and good
+/// messages published afterwards are handled.
+pub async fn store_faults_neither_wedge_nor_stop<D: TestDb>(
+    brokers: &dyn BrokerFactory,
+    db: &Arc<D>,
+) {
+    use flaky::{Fault, FlakyStore, Method};
+
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = s.name("faults");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let store = FlakyStore::new(s.store.clone());
+    let (gate, uncounted, unmarked) = (s.id(100), s.id(101), s.id(102));
+    store.inject(Method::RecordFailure, Some(&gate), Fault::Unavailable, 2);
+    store.inject(Method::MarkDeadClaimed, Some(&gate), Fault::Unavailable, 1);
+    store.inject(Method::RecordFailure, Some(&uncounted), Fault::Refused, 1);
+    store.inject(Method::RecordDead, Some(&unmarked), Fault::Refused, 1);
+    // In batch mode its mark is refused first (the batch then goes message by message).
+    store.inject(Method::MarkDeadClaimed, Some(&unmarked), Fault::Refused, 1);
+    store.inject(Method::Commit, None, Fault::CommitAppliedReplyLost, 3);
+    let script = Arc::new(Script {
+        always_fail: HashSet::from([gate.clone(), uncounted.clone()]),
+        permanent: HashSet::from([unmarked.clone()]),
+        ..Script::default()
+    });
+    let consumer = Consumer::new(
+        name.clone(),
+        s.source.clone(),
+        s.broker.transport(),
+        store.clone(),
+        s.handler(&script),
+    )
+    .concurrency(4)
+    .retry(
+        RetryPolicy::default()
+            .with_max_attempts(4)
+            .with_in_process_retries(0)
+            .with_delays(Duration::from_millis(5), Duration::from_millis(40)),
+    )
+    .reconnect_backoff(
+        RetryPolicy::default().with_delays(Duration::from_millis(10), Duration::from_millis(200)),
+    );
+    let consumer = if BATCHED.try_with(|b| *b).unwrap_or(false) {
+        consumer.batch(inbox::Batching::new(16, Duration::from_millis(5)))
+    } else {
+        consumer
+    };
+    let good: Vec<String> = (0..15).map(|i| s.id(i)).collect();
+    for (i, id) in good[..10].iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    for id in [&gate, &uncounted, &unmarked] {
+        s.publish(id, 0).await;
+    }
+    let running = Running::start(&consumer, 1);
+    s.wait_for(&[&name], 10).await;
+    let dead = s.dead_letters_of(&[&gate, &uncounted, &unmarked]).await;
+    for (i, id) in good.iter().enumerate().skip(10) {
+        s.publish(id, i).await;
+    }
+    s.wait_for(&[&name], good.len()).await;
+    assert!(running.is_running(), "the consumer is still running");
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &good).await;
+
+    let reasons = reasons_by_id(&dead);
+    let reason = |id: &str| reasons[id].clone();
+    assert!(
+        reason(&gate).contains("gave up after 4 attempts"),
+        "{}",
+        reason(&gate)
+    );
+    assert!(
+        reason(&uncounted).contains("could not be recorded"),
+        "{}",
+        reason(&uncounted)
+    );
+    assert!(
+        reason(&unmarked).contains("can never succeed"),
+        "{}",
+        reason(&unmarked)
+    );
+    let fired = store.fired();
+    for expected in [
+        (Method::RecordFailure, Fault::Unavailable),
+        (Method::MarkDeadClaimed, Fault::Unavailable),
+        (Method::RecordFailure, Fault::Refused),
+        (Method::RecordDead, Fault::Refused),
+        (Method::Commit, Fault::CommitAppliedReplyLost),
+    ] {
+        assert!(
+            fired.contains(&expected),
+            "{expected:?} never fired: {fired:?}"
+        );
+    }
+    let row = s.db.row(&s.store, &name, &gate).await.expect("a row");
+    assert!(row.dead, "{row:?}");
+}
