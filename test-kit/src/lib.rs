@@ -1,13 +1,12 @@
 //! The project's test kit (not published): the conformance suite — every scenario written once,
 //! as a plain async function over a broker factory and a database, and run on every (transport,
 //! store) pair by [`conformance_suite!`] — with the broker and store factories it runs on, the
-//! fault-injecting wrappers ([`flaky`], [`crash`]), and the demo-process runner ([`demo`]) that the
+//! fault-injecting wrappers ([`flaky`] for the store, [`wrappers`] for transports), and the demo-process runner ([`demo`]) that the
 //! cross-client tests and the crash harness share.
 //!
 //! The integration tests in `tests/` use it as `use inbox_test_kit as conformance;`. How to add
 //! a scenario, a transport or a store: `docs/design.md`, "Contributing".
 
-pub mod crash;
 pub mod demo;
 pub mod flaky;
 pub mod hostile;
@@ -18,10 +17,11 @@ pub mod scenarios;
 pub mod services;
 pub mod stores;
 pub mod world;
+pub mod wrappers;
 
-pub use crash::CrashBeforeFirstAck;
 pub use scenarios::*;
 pub use world::{Hook, Running, Scenario, Script, TestHandler, refusing};
+pub use wrappers::{CrashBeforeFirstAck, RefuseFirstPublishes};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -138,6 +138,7 @@ macro_rules! conformance_suite {
                 swallowed_database_errors_lose_nothing,
                 error_texts_with_nul_are_stored,
                 store_faults_neither_wedge_nor_stop,
+                dead_letters_the_broker_refuses_wait,
             );
         }
     };

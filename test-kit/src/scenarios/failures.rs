@@ -12,7 +12,9 @@ use inbox::memory::Faults;
 use inbox::{HandlerError, InboxAdmin, InboxStore, OutgoingMessage, RetryPolicy};
 
 use super::{header, reasons_by_id};
-use crate::{BATCHED, BrokerFactory, Running, Scenario, Script, TestDb, eventually};
+use crate::{
+    BATCHED, BrokerFactory, RefuseFirstPublishes, Running, Scenario, Script, TestDb, eventually,
+};
 
 /// A handler that fails twice per message, then succeeds: retried in process and through the
 /// broker, one effect each, the attempts recorded.
@@ -540,4 +542,65 @@ pub async fn error_texts_with_nul_are_stored<D: TestDb>(brokers: &dyn BrokerFact
     );
     let row = s.db.row(&s.store, &name, &flaky).await.expect("a row");
     assert!(row.processed && row.attempts == 1, "{row:?}");
+}
+
+/// Dead letters the broker will not take at first (each refused once, as a letter over the
+/// broker's size limit is, then not confirmed once), on both ways to the dead-letter destination:
+/// a permanent failure (no claim held) and a message out of attempts (dead-lettered under its
+/// claim). Each message waits with its consumer until its letter is out — never handed back,
+/// which on Kafka would skip it and pin the partition's offset — and is dead-lettered once; the
+/// messages behind them are handled once, and the broker settles without a restart (Kafka: lag
+/// 0, the committed offset past them).
+pub async fn dead_letters_the_broker_refuses_wait<D: TestDb>(
+    brokers: &dyn BrokerFactory,
+    db: &Arc<D>,
+) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    let name = s.name("refused-dead-letter");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let (permanent, exhausted) = (s.id(0), s.id(1));
+    let good: Vec<String> = (2..=21).map(|i| s.id(i)).collect();
+    s.publish(&permanent, 0).await;
+    s.publish(&exhausted, 1).await;
+    for (i, id) in good.iter().enumerate() {
+        s.publish(id, i + 2).await;
+    }
+    let refusing = Arc::new(RefuseFirstPublishes::new(
+        s.broker.transport(),
+        s.dead_letter_destination(),
+        2,
+    ));
+    let script = Arc::new(Script {
+        permanent: HashSet::from([permanent.clone()]),
+        always_fail: HashSet::from([exhausted.clone()]),
+        ..Script::default()
+    });
+    let consumer = s.consumer_on(refusing.clone(), &name, &script);
+    let running = Running::start(&consumer, 1);
+    s.wait_for(&[&name], good.len()).await;
+    let letters = s.dead_letters_of(&[&permanent, &exhausted]).await;
+    eventually("settled without a restart", || async {
+        s.broker.settled(&s.source, &[&name]).await
+    })
+    .await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &good).await;
+    assert_eq!(refusing.refused(), 4, "every injected refusal was met");
+    let mut dead: Vec<&str> = letters
+        .iter()
+        .map(|l| header(l, dead_letter_headers::MESSAGE_ID))
+        .collect();
+    dead.sort_unstable();
+    assert_eq!(
+        dead,
+        [permanent.as_str(), exhausted.as_str()],
+        "one letter each"
+    );
+    for id in [&permanent, &exhausted] {
+        let row = s.db.row(&s.store, &name, id).await.expect("a dead row");
+        assert!(row.dead && !row.processed, "{id}: {row:?}");
+    }
+    let report = consumer.report();
+    assert_eq!(report.dead_lettered, 2, "{report:?}");
+    assert_eq!(report.processed, good.len() as u64, "{report:?}");
 }

@@ -1,12 +1,13 @@
-//! A transport wrapper that makes, on any broker, what a consumer crash between commit and ack
-//! looks like from the broker's side.
+//! Transport wrappers that make faults on any broker: a consumer crash between commit and ack as
+//! the broker sees it, and a broker that will not take a dead letter at first.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use futures::StreamExt;
+use inbox::dead_letter::headers as dead_letter_headers;
 use inbox::transport::{AckToken, Capabilities, Delivery, DeliveryStream, Subscription};
 use inbox::{Headers, OutgoingMessage, Transport, TransportError};
 
@@ -111,5 +112,94 @@ impl Transport for CrashBeforeFirstAck {
         message: OutgoingMessage,
     ) -> Result<(), TransportError> {
         self.inner.publish(destination, message).await
+    }
+    async fn declare(&self, subscription: &Subscription) -> Result<(), TransportError> {
+        self.inner.declare(subscription).await
+    }
+    async fn drained(&self) {
+        self.inner.drained().await
+    }
+}
+
+/// Wraps a transport so that the first publishes of each message to one destination fail: the
+/// first refused (what a dead letter over the broker's size limit gets), the next not confirmed
+/// (a broker busy or briefly away). A message is told by its dead-letter header `message-id`,
+/// else its own id. Everything else passes through.
+#[derive(Debug)]
+pub struct RefuseFirstPublishes {
+    inner: Arc<dyn Transport>,
+    destination: String,
+    per_message: u32,
+    tries: Mutex<HashMap<String, u32>>,
+    refused: AtomicUsize,
+}
+
+impl RefuseFirstPublishes {
+    /// The first `per_message` publishes of each message to `destination` fail.
+    pub fn new(inner: Arc<dyn Transport>, destination: String, per_message: u32) -> Self {
+        Self {
+            inner,
+            destination,
+            per_message,
+            tries: Mutex::default(),
+            refused: AtomicUsize::new(0),
+        }
+    }
+
+    /// Publishes failed so far.
+    pub fn refused(&self) -> usize {
+        self.refused.load(Ordering::SeqCst)
+    }
+}
+
+#[async_trait]
+impl Transport for RefuseFirstPublishes {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    async fn declare(&self, subscription: &Subscription) -> Result<(), TransportError> {
+        self.inner.declare(subscription).await
+    }
+    async fn subscribe(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<DeliveryStream, TransportError> {
+        self.inner.subscribe(subscription).await
+    }
+    async fn publish(
+        &self,
+        destination: &str,
+        message: OutgoingMessage,
+    ) -> Result<(), TransportError> {
+        if destination != self.destination {
+            return self.inner.publish(destination, message).await;
+        }
+        let key = message
+            .headers
+            .get_str(dead_letter_headers::MESSAGE_ID)
+            .map(str::to_owned)
+            .or_else(|| message.message_id.clone())
+            .unwrap_or_default();
+        let try_number = {
+            let mut tries = self.tries.lock().unwrap();
+            let n = tries.entry(key).or_default();
+            *n += 1;
+            *n
+        };
+        if try_number > self.per_message {
+            return self.inner.publish(destination, message).await;
+        }
+        self.refused.fetch_add(1, Ordering::SeqCst);
+        let error = match try_number {
+            1 => TransportError::Refused("message too large (injected)".into()),
+            _ => TransportError::NotConfirmed("no confirm (injected)".into()),
+        };
+        Err(error)
+    }
+    async fn drained(&self) {
+        self.inner.drained().await
     }
 }
