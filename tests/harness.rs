@@ -119,6 +119,8 @@ struct Outcomes {
     other: AtomicU64,
     /// Log lines about an outage of the store or the broker.
     outage_lines: AtomicU64,
+    /// "partitions assigned" lines (Kafka): each one a generation of a group this process joined.
+    assignments: AtomicU64,
     lines: Mutex<Vec<String>>,
 }
 
@@ -144,6 +146,9 @@ impl Outcomes {
             };
             counter.fetch_add(1, Ordering::SeqCst);
             return;
+        }
+        if line.contains("partitions assigned") {
+            self.assignments.fetch_add(1, Ordering::SeqCst);
         }
         if line.contains("unavailable")
             || line.contains("cannot subscribe")
@@ -326,6 +331,14 @@ async fn restart_postgres() {
 /// per retry at full speed.
 fn assert_no_log_storm(outcomes: &Outcomes, outage: Duration, outages: u64) {
     let lines = outcomes.outage_lines.load(Ordering::SeqCst);
+    // An outage the consumer did not log at all means the lines are no longer recognised (the
+    // wording changed), and the bound below would hold vacuously.
+    assert!(
+        lines > 0,
+        "no outage log line recognised for {outages} outage(s) of ~{outage:?}: did the wording \
+         change? (Outcomes::count)\n{}",
+        outcomes.lines.lock().unwrap().join("\n")
+    );
     // Per process and dependency: the first failure, then at most one line per 10 s (the store),
     // or per backoff step capped at 5 s (the broker's connection attempts).
     let bound = outages * (8 + 2 * outage.as_secs());
@@ -615,6 +628,10 @@ where
     process.stop(&tally.outcomes).await;
     broker.assert_drained().await;
     println!("{}", tally.line(&format!("{} {what}", broker.name)));
+    println!(
+        "group generations joined (partitions assigned): {}",
+        tally.outcomes.assignments.load(Ordering::SeqCst)
+    );
     assert_clean(&tally);
     assert_no_log_storm(&tally.outcomes, outage, 1);
 }

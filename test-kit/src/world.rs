@@ -21,7 +21,7 @@ use crate::{BATCHED, BrokerFactory, DEADLINE, TestBroker, TestDb, eventually};
 pub type Hook =
     Arc<dyn Fn(String, u32) -> BoxFuture<'static, Result<(), HandlerError>> + Send + Sync>;
 
-/// A hook that fails permanently ("bug #17 refuses <id>") for the ids in `broken`, until they
+/// A hook that fails permanently (`"bug #17 refuses <id>"`) for the ids in `broken`, until they
 /// are taken out of it (the fix is deployed).
 pub fn refusing(broken: &Arc<Mutex<HashSet<String>>>) -> Hook {
     let broken = Arc::clone(broken);
