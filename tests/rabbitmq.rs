@@ -386,6 +386,195 @@ async fn consumer_timeout_during_a_database_outage_alone() {
     );
 }
 
+/// Two readers of one dead-letter queue at once (two operators replaying): each counts the
+/// letters ready when it begins, and the broker shares them out between the two, so neither gets
+/// its count — each must end anyway, not wait for letters the other holds (review #26). Every
+/// round starts both reads together, so that both count before either consumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_readers_of_one_dead_letter_queue_both_end() {
+    use futures::StreamExt;
+    use inbox::Transport as _;
+    use inbox::rabbitmq::{RabbitMqConfig, RabbitMqTransport};
+
+    let transport = RabbitMqTransport::connect(
+        conformance::services::amqp_url(),
+        RabbitMqConfig::default().queue_expires(std::time::Duration::from_secs(600)),
+    )
+    .await
+    .unwrap();
+    let destination = format!("readers-{}.dead-letter", uuid::Uuid::new_v4().simple());
+    // The first read declares the queue.
+    drop(transport.read_dead_letters(&destination).await.unwrap());
+    // Rounds in which a reader counted letters the other took: it ends only by waiting out its
+    // idle time (10 s) — what the test is about.
+    let mut outwaited = 0;
+    for round in 0..2 {
+        for i in 0..20 {
+            transport
+                .publish(
+                    &destination,
+                    inbox::OutgoingMessage::new(format!("letter-{round}-{i}"), "{}"),
+                )
+                .await
+                .unwrap();
+        }
+        let (a, b) = tokio::join!(
+            transport.read_dead_letters(&destination),
+            transport.read_dead_letters(&destination)
+        );
+        let read = async {
+            // Each reader holds what it gets (a replay holds letters that are not its own),
+            // then both hand them back when the other is done too.
+            let (a, b) = tokio::join!(
+                a.unwrap().collect::<Vec<_>>(),
+                b.unwrap().collect::<Vec<_>>()
+            );
+            (a, b)
+        };
+        let began = std::time::Instant::now();
+        let (a, b) = tokio::time::timeout(conformance::DEADLINE, read)
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: a reader waited for ever"));
+        assert_eq!(
+            a.len() + b.len(),
+            20,
+            "round {round}: every letter read once"
+        );
+        if began.elapsed() >= std::time::Duration::from_secs(5) {
+            outwaited += 1;
+        }
+        // Acked, so that the next round starts from an empty queue.
+        for letter in a.into_iter().chain(b) {
+            letter
+                .unwrap()
+                .ack(inbox::transport::AckToken::for_transport_tests())
+                .await
+                .unwrap();
+        }
+    }
+    println!("rounds in which a reader counted letters the other took: {outwaited} of 2");
+    assert!(
+        outwaited > 0,
+        "the readers never counted the same letters: the test proved nothing"
+    );
+}
+
+/// RabbitMQ's memory alarm, raised by a watermark no broker stays under; dropping the guard
+/// sets the default watermark (0.4) back, which clears it.
+struct MemoryAlarm;
+
+impl MemoryAlarm {
+    async fn raise() -> Self {
+        let alarm = Self;
+        rabbitmqctl(&["set_vm_memory_high_watermark", "0.0000001"]).await;
+        eventually("the memory alarm is raised", || async {
+            let alarms = rabbitmqctl(&["eval", "rabbit_alarm:get_alarms()."]).await;
+            if alarms.contains("memory") {
+                Ok(())
+            } else {
+                Err(alarms)
+            }
+        })
+        .await;
+        alarm
+    }
+}
+
+impl Drop for MemoryAlarm {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("rabbitmqctl")
+            .args(["set_vm_memory_high_watermark", "0.4"])
+            .output();
+    }
+}
+
+/// Under a memory alarm RabbitMQ blocks every connection that publishes and confirms nothing
+/// (review #9). A message that fails permanently cannot get its dead letter out: it waits with
+/// its consumer (each publish gives up after `publish_timeout`) without holding anything else up
+/// — the messages beside it are handled and acked, since the consumers' connection is not the
+/// publisher's — and shutdown drains within a deadline. After the alarm, the next run
+/// dead-letters it. Changes a server-wide setting, so it runs alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_memory_alarm_holds_back_only_the_dead_letter_alone() {
+    use conformance::{RefuseFirstPublishes, TestDb as _};
+    use std::collections::HashSet;
+    use std::time::Duration;
+
+    conformance::init_tracing();
+    let db = Arc::new(Postgres);
+    let mut rabbit = RabbitMq::new(QueueType::Classic);
+    rabbit.config = rabbit.config.publish_timeout(Duration::from_secs(2));
+    let s = Scenario::new(&rabbit, &db, Faults::none()).await;
+    let name = s.name("alarm");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let broken = s.id(0);
+    let good: Vec<String> = (1..=20).map(|i| s.id(i)).collect();
+    s.publish(&broken, 0).await;
+    for (i, id) in good.iter().enumerate() {
+        s.publish(id, i + 1).await;
+    }
+    let observed = Arc::new(RefuseFirstPublishes::new(
+        s.broker.transport(),
+        s.dead_letter_destination(),
+        0,
+    ));
+    let script = Arc::new(Script {
+        permanent: HashSet::from([broken.clone()]),
+        ..Script::default()
+    });
+    let consumer = s.consumer_on(observed.clone(), &name, &script);
+
+    let alarm = MemoryAlarm::raise().await;
+    let running = Running::start(&consumer, 1);
+    s.wait_for_effects(good.len() as i64).await;
+    eventually(
+        "the dead letter's publish timed out under the alarm",
+        || async {
+            match observed.failed() {
+                0 => Err("no failed publish yet".to_owned()),
+                _ => Ok(()),
+            }
+        },
+    )
+    .await;
+    let queue = inbox::rabbitmq::queue_name(&s.source, name.as_str());
+    eventually(
+        "the others acked: one message left, unacknowledged",
+        || async {
+            let ready = queue_column(&queue, "messages_ready").await;
+            let unacked = queue_column(&queue, "messages_unacknowledged").await;
+            match (ready.as_deref(), unacked.as_deref()) {
+                (Some("0"), Some("1")) => Ok(()),
+                other => Err(format!("ready, unacknowledged: {other:?}")),
+            }
+        },
+    )
+    .await;
+    tokio::time::timeout(Duration::from_secs(30), running.stop())
+        .await
+        .expect("the consumer drains under the alarm");
+    let row = s.db.row(&s.store, &name, &broken).await;
+    assert!(
+        !row.is_some_and(|r| r.dead),
+        "not marked dead before its letter is out"
+    );
+
+    drop(alarm);
+    let running = Running::start(&consumer, 1);
+    s.dead_letters_of(&[&broken]).await;
+    eventually("settled", || async {
+        s.broker.settled(&s.source, &[&name]).await
+    })
+    .await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &good).await;
+    let row =
+        s.db.row(&s.store, &name, &broken)
+            .await
+            .expect("a dead row");
+    assert!(row.dead, "{row:?}");
+}
+
 /// A message whose AMQP `message_id` is not UTF-8 — pika publishes it; lapin (and so our own
 /// publisher) cannot even represent it — kills the consuming connection at every delivery: lapin
 /// refuses the frame. On a quorum queue the broker counts those deliveries and, past the

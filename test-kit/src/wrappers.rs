@@ -132,6 +132,7 @@ pub struct RefuseFirstPublishes {
     per_message: u32,
     tries: Mutex<HashMap<String, u32>>,
     refused: AtomicUsize,
+    failed: AtomicUsize,
 }
 
 impl RefuseFirstPublishes {
@@ -143,12 +144,18 @@ impl RefuseFirstPublishes {
             per_message,
             tries: Mutex::default(),
             refused: AtomicUsize::new(0),
+            failed: AtomicUsize::new(0),
         }
     }
 
-    /// Publishes failed so far.
+    /// Publishes failed so far by injection.
     pub fn refused(&self) -> usize {
         self.refused.load(Ordering::SeqCst)
+    }
+
+    /// Publishes to the destination that the broker itself failed so far.
+    pub fn failed(&self) -> usize {
+        self.failed.load(Ordering::SeqCst)
     }
 }
 
@@ -190,7 +197,11 @@ impl Transport for RefuseFirstPublishes {
             *n
         };
         if try_number > self.per_message {
-            return self.inner.publish(destination, message).await;
+            let published = self.inner.publish(destination, message).await;
+            if published.is_err() {
+                self.failed.fetch_add(1, Ordering::SeqCst);
+            }
+            return published;
         }
         self.refused.fetch_add(1, Ordering::SeqCst);
         let error = match try_number {

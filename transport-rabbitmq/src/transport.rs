@@ -20,6 +20,33 @@ use crate::consume::StreamGuard;
 use crate::headers::from_field_table;
 use crate::{QueueType, RabbitMqConfig, queue_name};
 
+/// How long a dead-letter read waits for the next letter before it ends short of the count the
+/// queue held when it began: another reader (a second replay) may have taken the rest.
+const DEAD_LETTER_IDLE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// `stream`'s first `count` items, ending early once none has come for `idle`.
+fn until_idle(stream: DeliveryStream, count: usize, idle: std::time::Duration) -> DeliveryStream {
+    Box::pin(futures::stream::unfold(
+        (stream, count),
+        move |(mut stream, left)| async move {
+            if left == 0 {
+                return None;
+            }
+            match tokio::time::timeout(idle, stream.next()).await {
+                Ok(Some(item)) => Some((item, (stream, left - 1))),
+                Ok(None) => None,
+                Err(_) => {
+                    tracing::debug!(
+                        left,
+                        "no dead letter for {idle:?}: another reader has the rest"
+                    );
+                    None
+                }
+            }
+        },
+    ))
+}
+
 /// A RabbitMQ broker reached through an AMQP URL (`amqp://` or `amqps://`).
 pub struct RabbitMqTransport {
     pub(crate) uri: String,
@@ -189,7 +216,7 @@ impl Transport for RabbitMqTransport {
         // until it is done, so a window would stall once it is full of them. (The letters are in
         // memory at once: the price of reading a queue that other consumers share.)
         let stream = self.consume(guard, destination, 0).await?;
-        Ok(Box::pin(stream.take(ready as usize)))
+        Ok(until_idle(stream, ready as usize, DEAD_LETTER_IDLE))
     }
 
     async fn publish(
