@@ -483,3 +483,46 @@ async fn a_cancelled_begin_leaves_no_transaction_open() {
     }
     assert!(cancelled_in_flight > 0, "no begin was cancelled in flight");
 }
+
+/// A session the server ends (`pg_terminate_backend`, as a restart or a failover does: SQLSTATE
+/// 57P01) is an outage of the store, not a conflict between transactions: the consumer then
+/// pauses its deliveries and probes, instead of retrying each message against a database that
+/// is going away. (It was a `Conflict`; the harness's database restart showed it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_the_server_ends_is_an_outage() {
+    use conformance::stores::Postgres;
+    use inbox::{ConsumerName, InboxAdmin, InboxStore, MessageId, PostgresStore, StoreError};
+
+    let url = Postgres::fresh_url().await;
+    let store = PostgresStore::connect(&url, 1)
+        .await
+        .expect("connect PostgreSQL");
+    store.migrate().await.expect("migrate");
+    let mut tx = store.begin().await.expect("begin");
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("the session's pid");
+    let admin = sqlx::PgPool::connect(&url).await.expect("a second session");
+    let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&admin)
+        .await
+        .expect("terminate");
+    assert!(ended);
+    let consumer = ConsumerName::new("outage").unwrap();
+    let id = MessageId::new("m1").unwrap();
+    let error = store
+        .claim(&mut tx, &consumer, &id)
+        .await
+        .expect_err("the session is gone");
+    let text = format!("{error:?}");
+    assert!(
+        matches!(error, StoreError::Unavailable(_)),
+        "an outage, not {text}"
+    );
+    assert!(
+        text.contains("57P01") || text.contains("administrator command"),
+        "the server's own answer was seen (not only a broken pipe): {text}"
+    );
+}

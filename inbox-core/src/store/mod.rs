@@ -390,12 +390,24 @@ mod sql_errors {
             .unwrap_or(false)
     }
 
+    /// PostgreSQL's SQLSTATEs for a server that is not there for us: connection exceptions (08),
+    /// too many connections (53300), shutdown, crash and start-up (57P01..57P03).
+    fn server_gone(code: &str) -> bool {
+        code.starts_with("08") || matches!(code, "53300" | "57P01" | "57P02" | "57P03")
+    }
+
     /// Maps a sqlx error to a [`StoreError`] of the right kind.
     pub(crate) fn store_error(error: sqlx::Error) -> StoreError {
         let transient = classify(&error) == ErrorKind::Transient;
         match error {
             sqlx::Error::Database(ref db) if db.code().as_deref() == Some(ABORTED) => {
                 StoreError::Aborted(Box::new(error))
+            }
+            // The server going away (shut down, restarting, out of connections) is an outage, not
+            // a conflict between transactions: the consumer pauses and probes instead of
+            // retrying the message at once.
+            sqlx::Error::Database(ref db) if db.code().is_some_and(|code| server_gone(&code)) => {
+                StoreError::Unavailable(Box::new(error))
             }
             sqlx::Error::Database(_) if transient => StoreError::Conflict(Box::new(error)),
             _ if transient => StoreError::Unavailable(Box::new(error)),
