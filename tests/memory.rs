@@ -526,3 +526,43 @@ async fn a_session_the_server_ends_is_an_outage() {
         "the server's own answer was seen (not only a broken pipe): {text}"
     );
 }
+
+/// A delivery task's fatal error — here the store refusing a claim for good, which stops the
+/// consumer — ends the run when it happens, not at the next delivery: on a quiet queue the
+/// consumer ran on half-broken until more traffic came (review #22).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatal_error_ends_a_quiet_run() {
+    use std::sync::Arc;
+
+    use conformance::flaky::{Fault, FlakyStore, Method};
+    use conformance::stores::Postgres;
+    use conformance::{Scenario, Script};
+    use inbox::memory::Faults;
+    use inbox::{CancellationToken, Consumer};
+
+    let db = Arc::new(Postgres);
+    let s = Scenario::new(&Memory, &db, Faults::none()).await;
+    let name = s.name("fatal");
+    s.broker.prepare(&s.source, &[&name]).await;
+    let store = FlakyStore::new(s.store.clone());
+    let id = s.id(0);
+    store.inject(Method::Claim, Some(&id), Fault::Refused, 1);
+    let consumer = Consumer::new(
+        name.clone(),
+        s.source.clone(),
+        s.broker.transport(),
+        store.clone(),
+        s.handler(&Arc::new(Script::default())),
+    );
+    let run = tokio::spawn({
+        let consumer = consumer.clone();
+        async move { consumer.run(CancellationToken::new()).await }
+    });
+    s.publish(&id, 0).await;
+    let ended = tokio::time::timeout(conformance::DEADLINE, run)
+        .await
+        .expect("the run ends by itself, with no later delivery to notice the failure")
+        .expect("the run's task");
+    assert!(ended.is_err(), "a fatal error: {ended:?}");
+    assert_eq!(store.fired(), [(Method::Claim, Fault::Refused)]);
+}
