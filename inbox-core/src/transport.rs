@@ -185,7 +185,8 @@ pub trait Transport: Send + Sync + fmt::Debug {
         message: OutgoingMessage,
     ) -> Result<(), TransportError>;
     /// Reads a dead-letter destination, for an operator's [replay](mod@crate::replay): a stream of
-    /// the messages it holds, which ends once everything it held at the call was delivered.
+    /// the messages it holds, which ends once everything it held at the call was delivered (or
+    /// sooner, where another reader shares the destination and takes some of them).
     /// Acking a delivery removes it from the destination where the broker can remove single
     /// messages (a Kafka log keeps it); dropping or nacking it leaves it there.
     async fn read_dead_letters(&self, destination: &str) -> Result<DeliveryStream, TransportError> {

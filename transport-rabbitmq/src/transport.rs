@@ -194,7 +194,9 @@ impl Transport for RabbitMqTransport {
     }
 
     /// The dead-letter queue of the same name, consumed with no prefetch limit; the stream ends
-    /// after as many deliveries as the queue held ready.
+    /// after as many deliveries as the queue held ready, or once none has come for 10 s (another
+    /// reader took the rest: a replay then reports fewer letters read, and a second run finds
+    /// them).
     async fn read_dead_letters(&self, destination: &str) -> Result<DeliveryStream, TransportError> {
         self.declare_dead_letter(destination).await?;
         let connection = self.connection().await?;
