@@ -374,15 +374,11 @@ mod sql_errors {
     pub(crate) const ABORTED: &str = "25P02";
 
     fn transient_code(code: &str) -> bool {
-        // PostgreSQL SQLSTATEs: connection exceptions (08), serialization failure and deadlock
-        // (40001, 40P01), too many connections (53300), lock not available (55P03), a statement
-        // cancelled by statement_timeout (57014), shutdown and crash recovery (57P01..57P03).
+        // PostgreSQL SQLSTATEs: the server not there for us (`server_gone`), serialization
+        // failure and deadlock (40001, 40P01), lock not available (55P03), a statement cancelled
+        // by statement_timeout (57014).
         if code.len() == 5 && code.chars().all(|c| c.is_ascii_alphanumeric()) {
-            return code.starts_with("08")
-                || matches!(
-                    code,
-                    "40001" | "40P01" | "53300" | "55P03" | "57014" | "57P01" | "57P02" | "57P03"
-                );
+            return server_gone(code) || matches!(code, "40001" | "40P01" | "55P03" | "57014");
         }
         // SQLite result codes (extended): BUSY (5) and LOCKED (6) in the low byte.
         code.parse::<i32>()
