@@ -31,6 +31,9 @@ pub mod dead_letter {
 
 pub use inbox_core::metrics;
 
+/// The producer's half: write outgoing messages in your transaction, publish them with a relay.
+pub use inbox_core::outbox;
+
 /// For implementing a transport: what a broker's crate implements besides
 /// [`Transport`], and what the engine hands it.
 pub mod transport {

@@ -20,6 +20,13 @@ conformance_suite!(
     batched = true
 );
 
+conformance::outbox_suite!(outbox_kafka_postgres, Kafka { ordered: true }, async {
+    conformance::stores::Postgres
+});
+conformance::outbox_suite!(outbox_kafka_sqlite, Kafka { ordered: true }, async {
+    conformance::stores::Sqlite
+});
+
 /// Records produced by PyPI's `confluent-kafka` (not our code) with duplicate `message-id`
 /// headers are handled exactly once by the demo's consumers, running as a separate process that
 /// drains on SIGTERM.

@@ -21,6 +21,12 @@ conformance_suite!(
     async { conformance::stores::Postgres },
     batched = true
 );
+conformance::outbox_suite!(outbox_memory_sqlite, Memory, async {
+    conformance::stores::Sqlite
+});
+conformance::outbox_suite!(outbox_memory_postgres, Memory, async {
+    conformance::stores::Postgres
+});
 
 /// PostgreSQL's row lock in action: a concurrent claim of the same message waits for the first
 /// transaction instead of failing, then sees its outcome.
@@ -565,4 +571,80 @@ async fn a_fatal_error_ends_a_quiet_run() {
         .expect("the run's task");
     assert!(ended.is_err(), "a fatal error: {ended:?}");
     assert_eq!(store.fired(), [(Method::Claim, Fault::Refused)]);
+}
+
+/// The outbox's order check catches the commonest relay bug: reading "id > last seen" loses the
+/// row of a transaction that took its id first and committed last. The relay, in the same
+/// situation, publishes it.
+mod outbox_late_commits {
+    use std::sync::Arc;
+
+    use inbox::memory::MemoryBroker;
+    use inbox::outbox::Outbox;
+    use inbox::{InboxStore, OutgoingMessage, PostgresStore, Transport};
+
+    use crate::conformance::publishing::Publishing;
+    use crate::conformance::stores::Postgres;
+    use crate::conformance::{CommittedRow, TestDb, check_published};
+
+    /// a1 (key k0) is written first and committed last; b1 (key k1) commits in between, and the
+    /// relay under test looks once before a1's commit and once after.
+    async fn late_commit(
+        mut look: impl AsyncFnMut(&PostgresStore, &Arc<Publishing>),
+    ) -> Result<(), String> {
+        let store = Postgres.store().await;
+        let outbox = Outbox::new(store.clone());
+        let transport = Publishing::new(Arc::new(MemoryBroker::new()));
+        let mut committed: Vec<CommittedRow> = Vec::new();
+        let message = |id: &str, key: &str| OutgoingMessage::new(id, "{}").with_key(key.to_owned());
+        let mut tx_a = store.begin().await.unwrap();
+        let a = outbox
+            .send(&mut tx_a, "late", message("a1", "k0"))
+            .await
+            .unwrap();
+        let mut tx_b = store.begin().await.unwrap();
+        let b = outbox
+            .send(&mut tx_b, "late", message("b1", "k1"))
+            .await
+            .unwrap();
+        outbox.commit(tx_b).await.unwrap();
+        committed.push((b.row_id, "b1".into(), Some("k1".into())));
+        assert!(a.row_id < b.row_id, "a1 took its id first");
+        look(&store, &transport).await;
+        outbox.commit(tx_a).await.unwrap();
+        committed.push((a.row_id, "a1".into(), Some("k0".into())));
+        look(&store, &transport).await;
+        check_published(&committed, &transport.log(), true)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_reading_past_the_last_id_loses_a_late_commit() {
+        let mut last = 0i64;
+        let naive = late_commit(async |store: &PostgresStore, transport: &Arc<Publishing>| {
+            let rows: Vec<(i64, String, Option<String>)> = sqlx::query_as(
+                "SELECT id, message_id, ordering_key FROM outbox_messages WHERE id > $1 ORDER BY id",
+            )
+            .bind(last)
+            .fetch_all(store.pool())
+            .await
+            .unwrap();
+            for (id, message_id, key) in rows {
+                let mut message = OutgoingMessage::new(message_id, "{}");
+                message.key = key.map(Into::into);
+                transport.publish("late", message).await.unwrap();
+                last = id;
+            }
+        })
+        .await;
+        let error = naive.expect_err("the naive relay passes the order check");
+        assert!(error.contains("a1 never published"), "{error}");
+
+        let relay = late_commit(async |store: &PostgresStore, transport: &Arc<Publishing>| {
+            let relay =
+                Outbox::new(store.clone()).relay(Arc::clone(transport) as Arc<dyn Transport>);
+            relay.run_once().await.unwrap();
+        })
+        .await;
+        relay.expect("the relay publishes the late commit");
+    }
 }

@@ -35,6 +35,17 @@ conformance_suite!(
     batched = true
 );
 
+conformance::outbox_suite!(
+    outbox_rabbitmq_postgres,
+    RabbitMq::new(QueueType::Classic),
+    async { conformance::stores::Postgres }
+);
+conformance::outbox_suite!(
+    outbox_rabbitmq_sqlite,
+    RabbitMq::new(QueueType::Quorum),
+    async { conformance::stores::Sqlite }
+);
+
 async fn rabbitmqctl(args: &[&str]) -> String {
     let output = tokio::process::Command::new("rabbitmqctl")
         .args(args)

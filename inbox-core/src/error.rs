@@ -46,6 +46,10 @@ pub enum StoreError {
     /// The inbox schema could not be brought up to date (permanent).
     #[error("migration failed: {0}")]
     Migration(String),
+    /// The caller's input cannot be stored (permanent): an outbox message with an empty or
+    /// over-long id, destination or ordering key.
+    #[error("invalid input: {0}")]
+    Invalid(String),
 }
 
 impl StoreError {
@@ -55,7 +59,9 @@ impl StoreError {
             StoreError::Unavailable(_) | StoreError::Conflict(_) | StoreError::Aborted(_) => {
                 ErrorKind::Transient
             }
-            StoreError::Database(_) | StoreError::Migration(_) => ErrorKind::Permanent,
+            StoreError::Database(_) | StoreError::Migration(_) | StoreError::Invalid(_) => {
+                ErrorKind::Permanent
+            }
         }
     }
 
@@ -72,6 +78,11 @@ pub enum TransportError {
     /// The connection or channel to the broker is gone (transient; the consumer resubscribes).
     #[error("broker connection lost: {0}")]
     Disconnected(#[source] BoxError),
+    /// The broker has nowhere to put the message yet (transient): no queue bound to the RabbitMQ
+    /// exchange, no such Kafka topic. It may appear once the consumers declare their queues,
+    /// which is why the outbox relay retries it, within a limit of its own.
+    #[error("no route for the message: {0}")]
+    NoRoute(#[source] BoxError),
     /// A publish was not confirmed by the broker (transient).
     #[error("publish not confirmed: {0}")]
     NotConfirmed(#[source] BoxError),
@@ -95,6 +106,7 @@ impl TransportError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             TransportError::Disconnected(_)
+            | TransportError::NoRoute(_)
             | TransportError::NotConfirmed(_)
             | TransportError::AckLost(_) => ErrorKind::Transient,
             TransportError::Refused(_)
@@ -154,6 +166,17 @@ impl HandlerError {
 impl From<serde_json::Error> for HandlerError {
     fn from(error: serde_json::Error) -> Self {
         HandlerError::permanent(error)
+    }
+}
+
+/// A store error in a handler (an outbox send, say) keeps its kind: transient retries the
+/// message, permanent dead-letters it.
+impl From<StoreError> for HandlerError {
+    fn from(error: StoreError) -> Self {
+        Self {
+            kind: error.kind(),
+            source: Box::new(error),
+        }
     }
 }
 

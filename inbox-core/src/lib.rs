@@ -19,6 +19,7 @@ mod id;
 mod message;
 pub mod metrics;
 mod outage;
+pub mod outbox;
 pub mod replay;
 mod retry;
 pub mod store;

@@ -105,3 +105,23 @@ impl Metrics {
         out
     }
 }
+
+/// The outbox relay's metrics, labelled by `destination` and `transport`.
+pub mod outbox {
+    /// Counter: rows published (confirmed by the broker) and marked.
+    pub const PUBLISHED: &str = "inbox_outbox_published_total";
+    /// Counter: publishes that failed (the row is retried, or dead).
+    pub const FAILED: &str = "inbox_outbox_failed_total";
+    /// Counter: rows marked dead.
+    pub const DEAD: &str = "inbox_outbox_dead_total";
+    /// Histogram: seconds from a row's write to the broker's confirmation of its publish.
+    pub const COMMIT_TO_CONFIRM_SECONDS: &str = "inbox_outbox_commit_to_confirm_seconds";
+    /// Gauge (labelled by `destination` only): rows not published yet, dead ones included.
+    pub const PENDING: &str = "inbox_outbox_pending";
+    /// Gauge (by `destination`): age of the oldest pending row that is not dead, in seconds.
+    pub const OLDEST_PENDING_SECONDS: &str = "inbox_outbox_oldest_pending_seconds";
+    /// Gauge (by `destination`): dead rows.
+    pub const DEAD_ROWS: &str = "inbox_outbox_dead_rows";
+    /// Gauge (by `destination`): ordering keys held back by a failing or dead row.
+    pub const BLOCKED_KEYS: &str = "inbox_outbox_blocked_keys";
+}

@@ -12,6 +12,7 @@ pub mod flaky;
 pub mod hostile;
 pub mod kafka;
 pub mod memory;
+pub mod publishing;
 pub mod rabbitmq;
 pub mod scenarios;
 pub mod services;
@@ -106,6 +107,27 @@ where
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Generates one `#[tokio::test]` per outbox scenario for a (broker factory, database) pair.
+#[macro_export]
+macro_rules! outbox_suite {
+    ($module:ident, $brokers:expr, $db:expr) => {
+        mod $module {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::conformance_suite!(@tests $brokers, $db, false;
+                outbox_publishes_committed_rows_once,
+                outbox_relays_share_the_work,
+                outbox_relay_dies_between_publish_and_mark,
+                outbox_keeps_key_order_under_out_of_order_commits,
+                outbox_poison_row_holds_back_only_its_key,
+                outbox_broker_outage_then_back,
+                outbox_shutdown_drains_the_batch,
+                outbox_consume_transform_produce,
+            );
+        }
+    };
 }
 
 /// Generates one `#[tokio::test]` per scenario for a (broker factory, database) pair.

@@ -27,7 +27,7 @@ pub struct InboxRow {
 #[async_trait]
 pub trait TestDb: Send + Sync + Sized + 'static {
     /// The store under test.
-    type Store: InboxAdmin + Clone;
+    type Store: InboxAdmin + inbox::outbox::OutboxStore + Clone;
     /// Whether several write transactions run at once (not on SQLite).
     const CONCURRENT_WRITERS: bool;
     /// Whether a failed statement aborts its transaction (PostgreSQL; not SQLite).

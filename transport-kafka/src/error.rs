@@ -9,10 +9,12 @@ pub(crate) fn transient(error: KafkaError) -> TransportError {
 
 pub(crate) fn publish_error(error: KafkaError) -> TransportError {
     match error.rdkafka_error_code() {
+        // The topic may be created yet (by the consumers' declare, or an operator).
+        Some(RDKafkaErrorCode::UnknownTopicOrPartition | RDKafkaErrorCode::UnknownTopic) => {
+            TransportError::NoRoute(Box::new(error))
+        }
         Some(
-            RDKafkaErrorCode::UnknownTopicOrPartition
-            | RDKafkaErrorCode::UnknownTopic
-            | RDKafkaErrorCode::TopicAuthorizationFailed
+            RDKafkaErrorCode::TopicAuthorizationFailed
             | RDKafkaErrorCode::MessageSizeTooLarge
             | RDKafkaErrorCode::InvalidMessage,
         ) => TransportError::Refused(Box::new(error)),

@@ -66,7 +66,7 @@ impl RabbitMqTransport {
             })??;
         match confirm {
             Confirmation::Ack(None) => Ok(()),
-            Confirmation::Ack(Some(_returned)) => Err(TransportError::Refused(
+            Confirmation::Ack(Some(_returned)) => Err(TransportError::NoRoute(
                 format!("no queue is bound to exchange {destination:?}: declare the consumer's queue before publishing").into(),
             )),
             Confirmation::Nack(_) => Err(TransportError::NotConfirmed(

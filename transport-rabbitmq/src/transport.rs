@@ -227,7 +227,8 @@ impl Transport for RabbitMqTransport {
         message: OutgoingMessage,
     ) -> Result<(), TransportError> {
         match self.publish_once(destination, &message).await {
-            Err(e) if e.is_transient() => {
+            // (No route is not the channel's fault: a fresh one would be refused the same way.)
+            Err(e) if e.is_transient() && !matches!(e, TransportError::NoRoute(_)) => {
                 // The channel or connection may have died since the last publish: one fresh try.
                 tracing::debug!(error = %e, "publish failed; retrying on a fresh channel");
                 self.publish_once(destination, &message).await

@@ -3,10 +3,12 @@
 
 mod delivery;
 mod failures;
+mod outbox;
 mod store;
 
 pub use delivery::*;
 pub use failures::*;
+pub use outbox::*;
 pub use store::*;
 
 use std::collections::HashMap;

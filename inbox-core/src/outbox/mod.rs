@@ -1,0 +1,431 @@
+//! The producer's half: a transactional outbox and its relay.
+//!
+//! A message is written to `outbox_messages` in the same transaction as the business change that
+//! caused it ([`Outbox::send`]); a [`Relay`] publishes it after that transaction commits and marks
+//! it published. A committed row is published at least once, a rolled-back one never; with the
+//! inbox on the consumer (the same message id), the effect is exactly once from the producer's
+//! commit to the consumer's.
+//!
+//! **Order.** Rows with the same ordering key ([`OutgoingMessage::key`]) are published in the
+//! order their transactions wrote them, one in flight per key, even when those transactions commit
+//! out of order; a row that keeps failing holds back the later rows of its key only. Rows without
+//! a key are published as soon as they are seen. The relay promises publish order; handling in
+//! order also needs a transport that keeps it (Kafka, by key).
+//!
+//! ```no_run
+//! # #[cfg(feature = "postgres")]
+//! # async fn f(transport: std::sync::Arc<dyn inbox_core::Transport>) -> Result<(), Box<dyn std::error::Error>> {
+//! use inbox_core::{CancellationToken, InboxStore, OutgoingMessage, PostgresStore};
+//! use inbox_core::outbox::Outbox;
+//!
+//! let store = PostgresStore::connect("postgres://localhost/app", 8).await?;
+//! let outbox = Outbox::new(store.clone());
+//!
+//! let mut tx = store.begin().await?;
+//! sqlx::query("INSERT INTO parcels (id) VALUES ('p-1')").execute(&mut *tx).await?;
+//! outbox
+//!     .send(&mut tx, "parcels", OutgoingMessage::new("parcel-created-p-1", "{}").with_key("p-1"))
+//!     .await?;
+//! outbox.commit(tx).await?; // commits, then wakes the relays at once
+//!
+//! let stop = CancellationToken::new();
+//! outbox.relay(transport).run(stop).await?;
+//! # Ok(()) }
+//! ```
+
+mod codec;
+#[cfg(feature = "postgres")]
+mod postgres;
+mod relay;
+#[cfg(feature = "sqlite")]
+mod sqlite;
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::stream::BoxStream;
+
+use crate::consumer::AfterCommit;
+use crate::error::StoreError;
+use crate::message::OutgoingMessage;
+use crate::store::InboxStore;
+use crate::transport::Transport;
+
+pub use relay::{Relay, RelayError, RelayReport};
+
+/// What [`Outbox::send`] wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Sent {
+    /// The row's id in `outbox_messages` (what `inbox outbox dead retry|skip` take).
+    pub row_id: i64,
+    /// The message id: the caller's, or the fresh UUIDv7 given to it.
+    pub message_id: String,
+    /// False when a row for `(destination, message id)` existed already (sent twice, or a
+    /// retry of the caller): nothing was written.
+    pub written: bool,
+}
+
+/// A row the relay claimed, to publish.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct OutboxRow {
+    /// The row id.
+    pub id: i64,
+    /// Where to publish.
+    pub destination: String,
+    /// The message, with its id, headers (the `traceparent` included) and key.
+    pub message: OutgoingMessage,
+    /// Failed publishes so far.
+    pub attempts: u32,
+    /// How long ago the row was written, by the database's clock at the claim.
+    pub age: Duration,
+}
+
+/// A failed publish, as the relay records it.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct PublishFailure {
+    /// The row id.
+    pub id: i64,
+    /// The reason, kept in `last_error`.
+    pub error: String,
+    /// Not tried again before this delay.
+    pub retry_after: Duration,
+    /// Marked dead: not tried again unless an operator retries it.
+    pub dead: bool,
+}
+
+/// Counts for one destination, as `inbox outbox stats` shows them.
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize)]
+#[non_exhaustive]
+pub struct OutboxStats {
+    /// The destination.
+    pub destination: String,
+    /// Rows not published yet (dead ones included).
+    pub pending: u64,
+    /// Pending rows with failed publishes, not dead.
+    pub failing: u64,
+    /// Dead rows.
+    pub dead: u64,
+    /// Ordering keys held back by a dead or failing row at their head.
+    pub blocked_keys: u64,
+    /// Published rows kept for the retention window.
+    pub published_kept: u64,
+    /// Age of the oldest pending row that is not dead, in seconds: the relay's lag.
+    pub oldest_pending_seconds: Option<f64>,
+}
+
+/// A dead row, as `inbox outbox dead list` shows it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct OutboxDeadRow {
+    /// The row id.
+    pub id: i64,
+    /// The destination.
+    pub destination: String,
+    /// The message id.
+    pub message_id: String,
+    /// The ordering key, if any (its later rows wait for this one).
+    pub ordering_key: Option<String>,
+    /// Publishes tried.
+    pub attempts: u32,
+    /// Why it is dead.
+    pub last_error: Option<String>,
+    /// Seconds since it was written.
+    pub age_seconds: f64,
+}
+
+/// The `outbox_messages` table: what [`Outbox`] and [`Relay`] need of a store. Implemented by
+/// the PostgreSQL and SQLite stores; the schema comes with
+/// [`InboxAdmin::migrate`](crate::InboxAdmin::migrate).
+///
+/// Every statement that acts for a relay batch names the batch's lease token: once a lease has
+/// lapsed and another relay claimed the row, the old batch can neither mark it published nor
+/// record a failure on it (fencing).
+#[async_trait]
+pub trait OutboxStore: InboxStore + Clone {
+    /// Writes `message` to `destination` in `tx`. The caller has validated it; the id is set.
+    async fn insert_outbox(
+        &self,
+        tx: &mut Self::Tx,
+        destination: &str,
+        message_id: &str,
+        message: &OutgoingMessage,
+        ordering_key: Option<&str>,
+    ) -> Result<(i64, bool), StoreError>;
+
+    /// Claims up to `limit` publishable rows for `lease` under `token`, in one statement: pending,
+    /// due, not leased, and each the first pending row of its key. Ordered by id.
+    async fn claim_outbox(
+        &self,
+        limit: u32,
+        lease: Duration,
+        token: &str,
+    ) -> Result<Vec<OutboxRow>, StoreError>;
+
+    /// Marks rows of batch `token` published — deleting them when `keep` is false — in one
+    /// statement. Returns how many it marked (fewer: a lease lapsed).
+    async fn mark_published(&self, token: &str, ids: &[i64], keep: bool)
+    -> Result<u64, StoreError>;
+
+    /// Records failed publishes of batch `token` and releases those rows.
+    async fn record_publish_failures(
+        &self,
+        token: &str,
+        failures: &[PublishFailure],
+    ) -> Result<(), StoreError>;
+
+    /// Counts per destination.
+    async fn outbox_stats(&self) -> Result<Vec<OutboxStats>, StoreError>;
+
+    /// Dead rows, oldest first.
+    async fn outbox_dead(&self, limit: u32) -> Result<Vec<OutboxDeadRow>, StoreError>;
+
+    /// Makes dead rows publishable again with a fresh attempt budget (`None`: all of them).
+    /// Returns how many.
+    async fn outbox_retry(&self, ids: Option<&[i64]>) -> Result<u64, StoreError>;
+
+    /// Deletes dead rows without publishing them, releasing their keys. Returns how many.
+    async fn outbox_skip(&self, ids: &[i64]) -> Result<u64, StoreError>;
+
+    /// Deletes up to `limit` published rows older than `older_than`. Returns how many.
+    async fn outbox_cleanup(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError>;
+
+    /// Tells relays in other processes that rows committed (PostgreSQL: `NOTIFY`, sent outside
+    /// any user transaction). Stores without such a signal do nothing; relays there poll.
+    async fn signal_relays(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    /// The signals of [`signal_relays`](Self::signal_relays) from any process, where the store
+    /// has them. `None`: poll.
+    async fn relay_signals(&self) -> Result<Option<BoxStream<'static, ()>>, StoreError> {
+        Ok(None)
+    }
+}
+
+/// Writes outgoing messages in the caller's transaction and wakes the relays after commits.
+///
+/// Cloning gives another handle on the same outbox (one wake-up for all of them).
+#[derive(Clone)]
+pub struct Outbox<S> {
+    store: S,
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    /// Relays of this process wait here.
+    local: tokio::sync::Notify,
+    /// Signals for relays of other processes, coalesced: a full channel is a signal on its way.
+    remote: OnceLock<tokio::sync::mpsc::Sender<()>>,
+    signal_other_processes: bool,
+}
+
+impl<S> std::fmt::Debug for Outbox<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outbox").finish_non_exhaustive()
+    }
+}
+
+impl<S: OutboxStore> Outbox<S> {
+    /// An outbox on `store`, which signals relays in other processes after the commits it makes
+    /// (see [`signal_other_processes`](Self::signal_other_processes)).
+    pub fn new(store: S) -> Self {
+        Self::with_signals(store, true)
+    }
+
+    /// Whether commits made through this outbox also wake relays in other processes (PostgreSQL:
+    /// one `NOTIFY` per burst of commits, sent on a pooled connection after the commit, never
+    /// inside it). Off: only this process's relays wake at once; others find the rows when they
+    /// poll.
+    pub fn signal_other_processes(self, yes: bool) -> Self {
+        Self::with_signals(self.store, yes)
+    }
+
+    fn with_signals(store: S, yes: bool) -> Self {
+        Self {
+            store,
+            shared: Arc::new(Shared {
+                local: tokio::sync::Notify::new(),
+                remote: OnceLock::new(),
+                signal_other_processes: yes,
+            }),
+        }
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// Writes `message` to `destination` in `tx`, to be published once `tx` commits.
+    ///
+    /// The message id is `message.message_id`, or a fresh UUIDv7. `(destination, message id)` is
+    /// unique: sending the same message again — in the same transaction, or in a retry of the
+    /// caller's — writes nothing and returns [`Sent::written`] false. `message.key` is the
+    /// ordering key (UTF-8, at most 255 bytes): rows of one key are published in the order they
+    /// were written. A `traceparent` header, if the caller set one, is kept in its own column
+    /// too, so the trace continues at the consumer. (The outbox does not read an OpenTelemetry
+    /// context itself: set the header from your tracing layer's current span.)
+    ///
+    /// Writers of one key take a lock on it until they commit (that is what keeps the order when
+    /// transactions commit out of order), so a hot key serialises its writers, and transactions
+    /// that send to several keys should send to them in one order to avoid deadlocks.
+    pub async fn send(
+        &self,
+        tx: &mut S::Tx,
+        destination: &str,
+        message: OutgoingMessage,
+    ) -> Result<Sent, StoreError> {
+        let message_id = match &message.message_id {
+            Some(id) => crate::id::MessageId::new(id.as_str())
+                .map_err(|e| StoreError::Invalid(e.to_string()))?
+                .as_str()
+                .to_owned(),
+            None => uuid::Uuid::now_v7().to_string(),
+        };
+        codec::check_destination(destination)?;
+        let key = codec::ordering_key(&message)?;
+        let (row_id, written) = self
+            .store
+            .insert_outbox(tx, destination, &message_id, &message, key)
+            .await?;
+        Ok(Sent {
+            row_id,
+            message_id,
+            written,
+        })
+    }
+
+    /// Commits `tx` and wakes the relays.
+    pub async fn commit(&self, tx: S::Tx) -> Result<(), StoreError> {
+        self.store.commit(tx).await?;
+        self.wake();
+        Ok(())
+    }
+
+    /// Wakes the relays: call it after committing a transaction that sent messages, where the
+    /// commit was not made by [`commit`](Self::commit) or by a consumer given
+    /// [`after_commit`](Self::after_commit). Cheap, and coalesced.
+    pub fn wake(&self) {
+        self.shared.local.notify_waiters();
+        self.shared.local.notify_one();
+        if self.shared.signal_other_processes {
+            let sender = self.shared.remote.get_or_init(|| self.spawn_signaller());
+            // Full: a signal is already on its way, and it will cover this commit too.
+            let _ = sender.try_send(());
+        }
+    }
+
+    /// A hook for [`Consumer::after_commit`](crate::Consumer::after_commit), so that messages a
+    /// handler sends through its inbox transaction (consume, transform, produce) are published
+    /// as soon as the consumer commits.
+    pub fn after_commit(&self) -> AfterCommit {
+        let outbox = self.clone();
+        Arc::new(move |_| {
+            outbox.wake();
+            Box::pin(async {})
+        })
+    }
+
+    /// A relay publishing this outbox's rows through `transport`.
+    pub fn relay(&self, transport: Arc<dyn Transport>) -> Relay<S> {
+        Relay::new(self.clone(), transport)
+    }
+
+    pub(crate) async fn woken(&self) {
+        self.shared.local.notified().await;
+    }
+
+    fn spawn_signaller(&self) -> tokio::sync::mpsc::Sender<()> {
+        let (sender, mut signals) = tokio::sync::mpsc::channel::<()>(1);
+        let store = self.store.clone();
+        // Ends when every handle on this outbox is gone (the channel closes).
+        tokio::spawn(async move {
+            while signals.recv().await.is_some() {
+                if let Err(e) = store.signal_relays().await {
+                    tracing::debug!(error = %e, "could not signal other relays; they will poll");
+                }
+            }
+        });
+        sender
+    }
+}
+
+use codec::decode_headers;
+
+/// A claimed row from the columns both stores return.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[allow(clippy::too_many_arguments)]
+fn row(
+    id: i64,
+    destination: String,
+    message_id: String,
+    ordering_key: Option<String>,
+    payload: Vec<u8>,
+    headers: &str,
+    attempts: i64,
+    age_seconds: f64,
+) -> OutboxRow {
+    OutboxRow {
+        id,
+        destination,
+        message: OutgoingMessage {
+            message_id: Some(message_id),
+            payload: payload.into(),
+            headers: decode_headers(headers),
+            key: ordering_key.map(Into::into),
+        },
+        attempts: u32::try_from(attempts.max(0)).unwrap_or(u32::MAX),
+        age: Duration::from_secs_f64(age_seconds.max(0.0)),
+    }
+}
+
+/// Stats from one row of the stats query: destination, pending, failing, dead, blocked keys,
+/// published kept, age of the oldest pending.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+fn stats(
+    (destination, pending, failing, dead, blocked, kept, oldest): (
+        String,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        Option<f64>,
+    ),
+) -> OutboxStats {
+    let count = |n: i64| u64::try_from(n).unwrap_or(0);
+    OutboxStats {
+        destination,
+        pending: count(pending),
+        failing: count(failing),
+        dead: count(dead),
+        blocked_keys: count(blocked),
+        published_kept: count(kept),
+        oldest_pending_seconds: oldest.map(|s| s.max(0.0)),
+    }
+}
+
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+fn dead_row(
+    id: i64,
+    destination: String,
+    message_id: String,
+    ordering_key: Option<String>,
+    attempts: i64,
+    last_error: Option<String>,
+    age_seconds: f64,
+) -> OutboxDeadRow {
+    OutboxDeadRow {
+        id,
+        destination,
+        message_id,
+        ordering_key,
+        attempts: u32::try_from(attempts.max(0)).unwrap_or(u32::MAX),
+        last_error,
+        age_seconds: age_seconds.max(0.0),
+    }
+}

@@ -1,0 +1,320 @@
+//! The outbox on PostgreSQL.
+//!
+//! Order per key (DESIGN.md's rule 1, with a lock instead of a counter row): a writer of a keyed
+//! row first takes a transaction-scoped advisory lock on (destination, key), and only then takes
+//! the row's id. Writers of one key therefore take ids in the order they commit, and a row of a
+//! key is visible only once every earlier row of that key has committed or rolled back. The relay
+//! publishes the first pending row of each key and nothing after it until that one is marked.
+//! Chosen over the snapshot horizon (publishing only rows older than every running
+//! transaction), which needs no lock but is cluster-wide: one long transaction anywhere would
+//! hold every ordered row back. The lock costs no table and no cleanup; a hot key serialises its
+//! writers, which the order needs anyway.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::StreamExt;
+use futures::stream::BoxStream;
+
+use super::codec::{encode_headers, traceparent};
+use super::{OutboxDeadRow, OutboxRow, OutboxStats, OutboxStore, PublishFailure};
+use crate::error::StoreError;
+use crate::message::OutgoingMessage;
+use crate::store::postgres::{PgTx, PostgresStore};
+use crate::store::{storable_error, store_error};
+
+/// The channel relays listen on.
+const CHANNEL: &str = "inbox_outbox";
+
+/// The advisory lock space of ordering keys: the two-integer form (`"inbx"`, hash of the key),
+/// which never meets the one-bigint form of the migration and cleanup locks.
+const INSERT_KEYED: &str = "\
+INSERT INTO outbox_messages (destination, message_id, ordering_key, payload, headers, traceparent)
+SELECT $1, $2, $3, $4, $5::jsonb, $6
+FROM (SELECT pg_advisory_xact_lock(1768842872, hashtext($1 || chr(1) || $3))) AS key_lock
+ON CONFLICT (destination, message_id) DO NOTHING
+RETURNING id";
+
+const INSERT: &str = "\
+INSERT INTO outbox_messages (destination, message_id, payload, headers, traceparent)
+VALUES ($1, $2, $3, $4::jsonb, $5)
+ON CONFLICT (destination, message_id) DO NOTHING
+RETURNING id";
+
+/// Pending, due, not leased, and the first pending row of its key (a dead or failing head holds
+/// its key back). SKIP LOCKED: two relays claiming at once take different rows.
+const CLAIM: &str = "\
+UPDATE outbox_messages AS o
+SET lease_token = $1::uuid, lease_until = clock_timestamp() + $2 * interval '1 millisecond'
+FROM (
+  SELECT c.id FROM outbox_messages c
+  WHERE c.published_at IS NULL AND c.dead_at IS NULL
+    AND c.available_at <= clock_timestamp()
+    AND (c.lease_until IS NULL OR c.lease_until < clock_timestamp())
+    AND (c.ordering_key IS NULL OR NOT EXISTS (
+      SELECT 1 FROM outbox_messages e
+      WHERE e.destination = c.destination AND e.ordering_key = c.ordering_key
+        AND e.published_at IS NULL AND e.id < c.id))
+  ORDER BY c.id
+  LIMIT $3
+  FOR UPDATE SKIP LOCKED
+) AS picked
+WHERE o.id = picked.id
+RETURNING o.id, o.destination, o.message_id, o.ordering_key, o.payload, o.headers::text,
+  o.attempts, EXTRACT(EPOCH FROM clock_timestamp() - o.created_at)::float8";
+
+#[async_trait]
+impl OutboxStore for PostgresStore {
+    async fn insert_outbox(
+        &self,
+        tx: &mut PgTx,
+        destination: &str,
+        message_id: &str,
+        message: &OutgoingMessage,
+        ordering_key: Option<&str>,
+    ) -> Result<(i64, bool), StoreError> {
+        let headers = encode_headers(&message.headers);
+        let trace = traceparent(message);
+        let inserted: Option<i64> = match ordering_key {
+            Some(key) => sqlx::query_scalar(INSERT_KEYED)
+                .bind(destination)
+                .bind(message_id)
+                .bind(key)
+                .bind(message.payload.as_ref())
+                .bind(&headers)
+                .bind(trace),
+            None => sqlx::query_scalar(INSERT)
+                .bind(destination)
+                .bind(message_id)
+                .bind(message.payload.as_ref())
+                .bind(&headers)
+                .bind(trace),
+        }
+        .fetch_optional(&mut **tx)
+        .await
+        .map_err(store_error)?;
+        if let Some(id) = inserted {
+            return Ok((id, true));
+        }
+        let id: i64 = sqlx::query_scalar(
+            "SELECT id FROM outbox_messages WHERE destination = $1 AND message_id = $2",
+        )
+        .bind(destination)
+        .bind(message_id)
+        .fetch_one(&mut **tx)
+        .await
+        .map_err(store_error)?;
+        Ok((id, false))
+    }
+
+    async fn claim_outbox(
+        &self,
+        limit: u32,
+        lease: Duration,
+        token: &str,
+    ) -> Result<Vec<OutboxRow>, StoreError> {
+        type Row = (
+            i64,
+            String,
+            String,
+            Option<String>,
+            Vec<u8>,
+            String,
+            i32,
+            f64,
+        );
+        let rows: Vec<Row> = sqlx::query_as(CLAIM)
+            .bind(token)
+            .bind(lease.as_millis() as f64)
+            .bind(i64::from(limit))
+            .fetch_all(self.pool())
+            .await
+            .map_err(store_error)?;
+        let mut rows: Vec<OutboxRow> = rows
+            .into_iter()
+            .map(
+                |(id, destination, message_id, key, payload, headers, attempts, age)| {
+                    super::row(
+                        id,
+                        destination,
+                        message_id,
+                        key,
+                        payload,
+                        &headers,
+                        i64::from(attempts),
+                        age,
+                    )
+                },
+            )
+            .collect();
+        rows.sort_by_key(|r| r.id);
+        Ok(rows)
+    }
+
+    async fn mark_published(
+        &self,
+        token: &str,
+        ids: &[i64],
+        keep: bool,
+    ) -> Result<u64, StoreError> {
+        let sql = if keep {
+            "UPDATE outbox_messages SET published_at = clock_timestamp(), lease_token = NULL, lease_until = NULL
+             WHERE id = ANY($1) AND lease_token = $2::uuid"
+        } else {
+            "DELETE FROM outbox_messages WHERE id = ANY($1) AND lease_token = $2::uuid"
+        };
+        let done = sqlx::query(sql)
+            .bind(ids)
+            .bind(token)
+            .execute(self.pool())
+            .await
+            .map_err(store_error)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn record_publish_failures(
+        &self,
+        token: &str,
+        failures: &[PublishFailure],
+    ) -> Result<(), StoreError> {
+        let ids: Vec<i64> = failures.iter().map(|f| f.id).collect();
+        let errors: Vec<String> = failures
+            .iter()
+            .map(|f| storable_error(&f.error).into_owned())
+            .collect();
+        let delays: Vec<f64> = failures
+            .iter()
+            .map(|f| f.retry_after.as_millis() as f64)
+            .collect();
+        let dead: Vec<bool> = failures.iter().map(|f| f.dead).collect();
+        sqlx::query(
+            "UPDATE outbox_messages AS o
+             SET attempts = o.attempts + 1, last_error = f.error,
+                 available_at = clock_timestamp() + f.delay_ms * interval '1 millisecond',
+                 dead_at = CASE WHEN f.dead THEN clock_timestamp() END,
+                 lease_token = NULL, lease_until = NULL
+             FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::bool[]) AS f(id, error, delay_ms, dead)
+             WHERE o.id = f.id AND o.lease_token = $5::uuid",
+        )
+        .bind(&ids)
+        .bind(&errors)
+        .bind(&delays)
+        .bind(&dead)
+        .bind(token)
+        .execute(self.pool())
+        .await
+        .map_err(store_error)?;
+        Ok(())
+    }
+
+    async fn outbox_stats(&self) -> Result<Vec<OutboxStats>, StoreError> {
+        type Row = (String, i64, i64, i64, i64, i64, Option<f64>);
+        let rows: Vec<Row> = sqlx::query_as(
+            "SELECT destination,
+                    count(*) FILTER (WHERE published_at IS NULL),
+                    count(*) FILTER (WHERE published_at IS NULL AND dead_at IS NULL AND attempts > 0),
+                    count(*) FILTER (WHERE dead_at IS NOT NULL),
+                    count(DISTINCT ordering_key) FILTER (WHERE published_at IS NULL AND (dead_at IS NOT NULL OR attempts > 0)),
+                    count(*) FILTER (WHERE published_at IS NOT NULL),
+                    EXTRACT(EPOCH FROM clock_timestamp() - min(created_at) FILTER (WHERE published_at IS NULL AND dead_at IS NULL))::float8
+             FROM outbox_messages GROUP BY destination ORDER BY destination",
+        )
+        .fetch_all(self.pool())
+        .await
+        .map_err(store_error)?;
+        Ok(rows.into_iter().map(super::stats).collect())
+    }
+
+    async fn outbox_dead(&self, limit: u32) -> Result<Vec<OutboxDeadRow>, StoreError> {
+        type Row = (
+            i64,
+            String,
+            String,
+            Option<String>,
+            i32,
+            Option<String>,
+            f64,
+        );
+        let rows: Vec<Row> = sqlx::query_as(
+            "SELECT id, destination, message_id, ordering_key, attempts, last_error,
+                    EXTRACT(EPOCH FROM clock_timestamp() - created_at)::float8
+             FROM outbox_messages WHERE dead_at IS NOT NULL ORDER BY id LIMIT $1",
+        )
+        .bind(i64::from(limit))
+        .fetch_all(self.pool())
+        .await
+        .map_err(store_error)?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, d, m, k, a, e, age)| super::dead_row(id, d, m, k, i64::from(a), e, age))
+            .collect())
+    }
+
+    async fn outbox_retry(&self, ids: Option<&[i64]>) -> Result<u64, StoreError> {
+        let done = sqlx::query(
+            "UPDATE outbox_messages SET dead_at = NULL, attempts = 0, available_at = clock_timestamp()
+             WHERE dead_at IS NOT NULL AND ($1::bigint[] IS NULL OR id = ANY($1))",
+        )
+        .bind(ids)
+        .execute(self.pool())
+        .await
+        .map_err(store_error)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn outbox_skip(&self, ids: &[i64]) -> Result<u64, StoreError> {
+        let done =
+            sqlx::query("DELETE FROM outbox_messages WHERE dead_at IS NOT NULL AND id = ANY($1)")
+                .bind(ids)
+                .execute(self.pool())
+                .await
+                .map_err(store_error)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn outbox_cleanup(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError> {
+        let done = sqlx::query(
+            "DELETE FROM outbox_messages WHERE id IN (
+               SELECT id FROM outbox_messages
+               WHERE published_at IS NOT NULL
+                 AND published_at < clock_timestamp() - $1 * interval '1 millisecond'
+               ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED)",
+        )
+        .bind(older_than.as_millis() as f64)
+        .bind(i64::from(limit))
+        .execute(self.pool())
+        .await
+        .map_err(store_error)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn signal_relays(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT pg_notify($1, '')")
+            .bind(CHANNEL)
+            .execute(self.pool())
+            .await
+            .map_err(store_error)?;
+        Ok(())
+    }
+
+    async fn relay_signals(&self) -> Result<Option<BoxStream<'static, ()>>, StoreError> {
+        let mut listener = sqlx::postgres::PgListener::connect_with(self.pool())
+            .await
+            .map_err(store_error)?;
+        listener.listen(CHANNEL).await.map_err(store_error)?;
+        // `recv` reconnects by itself after a lost connection; what was signalled meanwhile is
+        // found by the relay's poll.
+        let signals = futures::stream::unfold(listener, |mut listener| async move {
+            loop {
+                match listener.recv().await {
+                    Ok(_) => return Some(((), listener)),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "outbox relay: listener lost; reconnecting");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                }
+            }
+        });
+        Ok(Some(signals.boxed()))
+    }
+}

@@ -1,0 +1,382 @@
+//! The relay: claims committed outbox rows in batches, publishes them pipelined, marks them.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::{Outbox, OutboxRow, OutboxStore, PublishFailure};
+use crate::error::{ErrorKind, StoreError, TransportError, error_chain};
+use crate::metrics::outbox as m;
+use crate::transport::Transport;
+
+/// How soon an idle relay looks again after finding nothing, doubling up to the poll interval.
+const FIRST_IDLE_POLL: Duration = Duration::from_millis(10);
+
+/// Why [`Relay::run`] stopped with an error.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RelayError {
+    /// The store failed in a way retrying will not fix (for example the outbox table is
+    /// missing: run the migrations).
+    #[error("outbox store failed permanently: {0}")]
+    Store(#[source] StoreError),
+}
+
+impl RelayError {
+    /// Always permanent: transient failures are retried inside the relay.
+    pub fn kind(&self) -> ErrorKind {
+        ErrorKind::Permanent
+    }
+}
+
+/// What a relay did, returned by [`Relay::run`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RelayReport {
+    /// Batches claimed.
+    pub batches: u64,
+    /// Rows published and marked.
+    pub published: u64,
+    /// Publishes that failed (the rows are retried, or dead).
+    pub failed: u64,
+    /// Rows marked dead.
+    pub dead: u64,
+    /// Rows published whose mark was refused because their lease had lapsed and another relay
+    /// took them (it publishes them again: the consumer's inbox discards the copy).
+    pub fenced: u64,
+    /// Published rows deleted by retention.
+    pub cleaned: u64,
+}
+
+/// Publishes the outbox's committed rows through a [`Transport`]; see the [module](super) docs.
+///
+/// Any number of relays may run at once, in one process or many, without a leader: each batch is
+/// claimed under a lease with a token of its own, and only the holder of a live lease can mark its
+/// rows. A relay killed or stalled mid-batch loses its rows to another relay once the lease
+/// lapses (5 s by default).
+pub struct Relay<S> {
+    outbox: Outbox<S>,
+    transport: Arc<dyn Transport>,
+    batch_size: u32,
+    lease: Duration,
+    poll_interval: Duration,
+    retention: Duration,
+    cleanup_interval: Duration,
+    stats_interval: Duration,
+    min_delay: Duration,
+    max_delay: Duration,
+    max_no_route_attempts: u32,
+}
+
+impl<S> std::fmt::Debug for Relay<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay")
+            .field("transport", &self.transport.name())
+            .field("batch_size", &self.batch_size)
+            .field("lease", &self.lease)
+            .field("poll_interval", &self.poll_interval)
+            .field("retention", &self.retention)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: OutboxStore> Relay<S> {
+    pub(super) fn new(outbox: Outbox<S>, transport: Arc<dyn Transport>) -> Self {
+        Self {
+            outbox,
+            transport,
+            batch_size: 100,
+            lease: Duration::from_secs(5),
+            poll_interval: Duration::from_secs(1),
+            retention: Duration::ZERO,
+            cleanup_interval: Duration::from_secs(10),
+            stats_interval: Duration::from_secs(15),
+            min_delay: Duration::from_millis(100),
+            max_delay: Duration::from_secs(30),
+            max_no_route_attempts: 100,
+        }
+    }
+
+    /// Rows claimed and published per batch (default 100, at least 1).
+    pub fn batch_size(mut self, rows: u32) -> Self {
+        self.batch_size = rows.max(1);
+        self
+    }
+
+    /// How long a batch's claim lasts (default 5 s). A relay that dies or stalls loses its rows
+    /// to the others after this; publishes still unconfirmed by then count as failed. Keep it
+    /// longer than a batch's publish takes.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease.max(Duration::from_millis(100));
+        self
+    }
+
+    /// The longest an idle relay waits before it looks for rows without a wake-up (default
+    /// 1 s). Idle, it looks after 10 ms, then doubles the wait up to this: an idle relay costs at
+    /// most one query per interval. Wake-ups (commits through [`Outbox::commit`], a consumer's
+    /// [`Outbox::after_commit`], PostgreSQL's `NOTIFY` from other processes) cut the wait short.
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = interval.max(FIRST_IDLE_POLL);
+        self
+    }
+
+    /// How long published rows are kept (default zero: deleted by the statement that marks them
+    /// published). Kept rows are deleted in batches of 1,000, every 10 s, by any relay.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// The backoff of a row whose publish failed transiently: `min` doubling per failed attempt
+    /// up to `max` (default 100 ms to 30 s). The relay pauses as long when a whole batch failed.
+    pub fn retry_delays(mut self, min: Duration, max: Duration) -> Self {
+        self.min_delay = min;
+        self.max_delay = max.max(min);
+        self
+    }
+
+    /// How often a publish may find no route (RabbitMQ: no queue bound yet; Kafka: no topic)
+    /// before the row is dead (default 100, about 45 minutes with the default delays): the
+    /// consumers' queues may not exist yet when the first rows are written. Other transient
+    /// failures (the broker down) never make a row dead; permanent ones (the broker refuses the
+    /// message) do at once.
+    pub fn max_no_route_attempts(mut self, attempts: u32) -> Self {
+        self.max_no_route_attempts = attempts.max(1);
+        self
+    }
+
+    /// Runs until `stop` is cancelled, then finishes the batch in flight (publishes and marks
+    /// it) and returns. Transient errors are retried with backoff; a permanent store error ends
+    /// the run.
+    pub async fn run(&self, stop: CancellationToken) -> Result<RelayReport, RelayError> {
+        let mut report = RelayReport::default();
+        let mut signals = self.signals().await;
+        let mut idle = FIRST_IDLE_POLL;
+        let mut failures = 0u32;
+        let mut next_cleanup = Instant::now();
+        let mut next_stats = Instant::now();
+        while !stop.is_cancelled() {
+            match self.run_once_into(&mut report).await {
+                Ok(Batch::Empty) => {
+                    failures = 0;
+                    tokio::select! {
+                        biased;
+                        () = stop.cancelled() => break,
+                        () = self.outbox.woken() => idle = FIRST_IDLE_POLL,
+                        Some(()) = next_signal(&mut signals) => idle = FIRST_IDLE_POLL,
+                        () = tokio::time::sleep(idle) => idle = (idle * 2).min(self.poll_interval),
+                    }
+                }
+                Ok(Batch::Published) => {
+                    failures = 0;
+                    idle = FIRST_IDLE_POLL;
+                }
+                Ok(Batch::AllFailed) => {
+                    // The broker is down, most likely: pause instead of claiming the next rows.
+                    failures += 1;
+                    self.pause(failures, &stop).await;
+                }
+                Err(e) if e.is_transient() => {
+                    failures += 1;
+                    tracing::warn!(error = %error_chain(&e), "outbox relay: store unavailable; retrying");
+                    self.pause(failures, &stop).await;
+                }
+                Err(e) => return Err(RelayError::Store(e)),
+            }
+            if Instant::now() >= next_stats {
+                next_stats = Instant::now() + self.stats_interval;
+                self.sample_stats().await;
+            }
+            if self.retention > Duration::ZERO && Instant::now() >= next_cleanup {
+                next_cleanup = Instant::now() + self.cleanup_interval;
+                match self.outbox.store.outbox_cleanup(self.retention, 1000).await {
+                    Ok(n) => report.cleaned += n,
+                    Err(e) => tracing::warn!(error = %error_chain(&e), "outbox cleanup failed"),
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    /// Claims, publishes and marks one batch. Returns how many rows it published; zero when
+    /// there was nothing to claim (or nothing went out).
+    pub async fn run_once(&self) -> Result<usize, StoreError> {
+        let mut report = RelayReport::default();
+        self.run_once_into(&mut report).await?;
+        Ok(report.published as usize)
+    }
+
+    async fn run_once_into(&self, report: &mut RelayReport) -> Result<Batch, StoreError> {
+        let store = &self.outbox.store;
+        let token = uuid::Uuid::new_v4().to_string();
+        let rows = store
+            .claim_outbox(self.batch_size, self.lease, &token)
+            .await?;
+        if rows.is_empty() {
+            return Ok(Batch::Empty);
+        }
+        report.batches += 1;
+        let span = tracing::info_span!(
+            "outbox_publish",
+            transport = self.transport.name(),
+            rows = rows.len()
+        );
+        let started = Instant::now();
+        // Pipelined: every publish in flight at once, each bounded by the lease (after it,
+        // another relay may have the row and the mark would be refused anyway).
+        let deadline = started + self.lease;
+        let results = futures::future::join_all(rows.iter().map(|row| {
+            let publish = self
+                .transport
+                .publish(&row.destination, row.message.clone());
+            async move {
+                match tokio::time::timeout_at(deadline, publish).await {
+                    Ok(result) => result,
+                    Err(_) => Err(TransportError::NotConfirmed(
+                        "not confirmed within the relay's lease".into(),
+                    )),
+                }
+            }
+        }))
+        .instrument(span)
+        .await;
+        let confirmed_after = started.elapsed();
+        let mut published = Vec::new();
+        let mut failed = Vec::new();
+        for (row, result) in rows.iter().zip(results) {
+            match result {
+                Ok(()) => published.push(row),
+                Err(e) => failed.push((row, self.failure(row, &e))),
+            }
+        }
+        let ids: Vec<i64> = published.iter().map(|r| r.id).collect();
+        let marked = if ids.is_empty() {
+            0
+        } else {
+            store
+                .mark_published(&token, &ids, self.retention > Duration::ZERO)
+                .await?
+        };
+        let fenced = ids.len() as u64 - marked.min(ids.len() as u64);
+        if fenced > 0 {
+            tracing::warn!(
+                fenced,
+                "outbox relay: lease lapsed before the mark; another relay publishes those rows again"
+            );
+        }
+        for row in &published {
+            let labels = self.labels(&row.destination);
+            metrics::counter!(m::PUBLISHED, &labels).increment(1);
+            metrics::histogram!(m::COMMIT_TO_CONFIRM_SECONDS, &labels)
+                .record((row.age + confirmed_after).as_secs_f64());
+        }
+        report.published += marked;
+        report.fenced += fenced;
+        let all_failed = published.is_empty();
+        if !failed.is_empty() {
+            for (row, failure) in &failed {
+                let labels = self.labels(&row.destination);
+                metrics::counter!(m::FAILED, &labels).increment(1);
+                if failure.dead {
+                    metrics::counter!(m::DEAD, &labels).increment(1);
+                    tracing::error!(row = row.id, message_id = row.message.message_id.as_deref().unwrap_or(""), destination = %row.destination, reason = %failure.error, "outbox row dead: it will not be published unless an operator retries it");
+                } else {
+                    tracing::debug!(row = row.id, reason = %failure.error, "outbox publish failed; retrying later");
+                }
+            }
+            let failed: Vec<PublishFailure> = failed.into_iter().map(|(_, f)| f).collect();
+            report.failed += failed.len() as u64;
+            report.dead += failed.iter().filter(|f| f.dead).count() as u64;
+            store.record_publish_failures(&token, &failed).await?;
+            if all_failed && failed.iter().any(|f| !f.dead) {
+                return Ok(Batch::AllFailed);
+            }
+        }
+        Ok(Batch::Published)
+    }
+
+    /// Samples the per-destination gauges (one query; every 15 s while the relay runs).
+    async fn sample_stats(&self) {
+        match self.outbox.store.outbox_stats().await {
+            Ok(stats) => {
+                for s in stats {
+                    let labels = [("destination", s.destination.clone())];
+                    metrics::gauge!(m::PENDING, &labels).set(s.pending as f64);
+                    metrics::gauge!(m::DEAD_ROWS, &labels).set(s.dead as f64);
+                    metrics::gauge!(m::BLOCKED_KEYS, &labels).set(s.blocked_keys as f64);
+                    metrics::gauge!(m::OLDEST_PENDING_SECONDS, &labels)
+                        .set(s.oldest_pending_seconds.unwrap_or(0.0));
+                }
+            }
+            Err(e) => tracing::debug!(error = %error_chain(&e), "outbox stats not sampled"),
+        }
+    }
+
+    fn failure(&self, row: &OutboxRow, error: &TransportError) -> PublishFailure {
+        let attempts = row.attempts.saturating_add(1);
+        let dead = match error {
+            TransportError::NoRoute(_) => attempts >= self.max_no_route_attempts,
+            e => !e.is_transient(),
+        };
+        PublishFailure {
+            id: row.id,
+            error: error_chain(error),
+            retry_after: self.backoff(attempts),
+            dead,
+        }
+    }
+
+    fn backoff(&self, attempts: u32) -> Duration {
+        let factor = 2u32.saturating_pow(attempts.saturating_sub(1).min(20));
+        self.min_delay.saturating_mul(factor).min(self.max_delay)
+    }
+
+    async fn pause(&self, failures: u32, stop: &CancellationToken) {
+        tokio::select! {
+            () = stop.cancelled() => {}
+            () = tokio::time::sleep(self.backoff(failures)) => {}
+        }
+    }
+
+    fn labels(&self, destination: &str) -> [(&'static str, String); 2] {
+        [
+            ("destination", destination.to_owned()),
+            ("transport", self.transport.name().to_owned()),
+        ]
+    }
+
+    async fn signals(&self) -> Option<BoxStream<'static, ()>> {
+        match self.outbox.store.relay_signals().await {
+            Ok(signals) => signals,
+            Err(e) => {
+                tracing::warn!(error = %error_chain(&e), "outbox relay: no wake-ups from other processes; polling");
+                None
+            }
+        }
+    }
+}
+
+enum Batch {
+    Empty,
+    Published,
+    AllFailed,
+}
+
+/// The next signal; never resolves when there is no signal stream (or it ended).
+async fn next_signal(signals: &mut Option<BoxStream<'static, ()>>) -> Option<()> {
+    match signals {
+        Some(stream) => match stream.next().await {
+            Some(()) => Some(()),
+            None => {
+                *signals = None;
+                std::future::pending().await
+            }
+        },
+        None => std::future::pending().await,
+    }
+}
