@@ -247,6 +247,95 @@ async fn migrate_stats_cleanup_and_dead_list_on_postgres() {
     assert_eq!(after[0]["dead"], 3);
 }
 
+/// `inbox outbox …` on rows as a relay would leave them: stats (table and JSON), the dead list,
+/// retry of one row and skip of another.
+#[tokio::test]
+async fn outbox_stats_dead_list_retry_and_skip_on_postgres() {
+    let url = Postgres::fresh_url().await;
+    let url = url.as_str();
+    ok(&inbox(Some(url), &["migrate"]).await);
+    assert_eq!(
+        ok(&inbox(Some(url), &["outbox", "stats"]).await).trim(),
+        "no outbox rows"
+    );
+    let store = PostgresStore::connect(url, 2).await.unwrap();
+    for sql in [
+        // parcels: 3 pending (one keyed behind a dead head), 1 failing, 2 dead heads of keys.
+        "INSERT INTO outbox_messages (destination, message_id, ordering_key, payload, created_at)
+         VALUES ('parcels', 'p-1', 'k1', '{}', now() - interval '3 hours'),
+                ('parcels', 'p-2', 'k1', '{}', now()),
+                ('parcels', 'p-3', NULL, '{}', now() - interval '2 hours')",
+        "INSERT INTO outbox_messages (destination, message_id, ordering_key, payload, attempts, last_error)
+         VALUES ('parcels', 'p-4', 'k4', '{}', 2, 'no route for the message')",
+        "UPDATE outbox_messages SET dead_at = now(), attempts = 1,
+           last_error = 'broker refused: message too large
+(frame 131072)' WHERE message_id = 'p-1'",
+        "INSERT INTO outbox_messages (destination, message_id, ordering_key, payload, attempts, last_error, dead_at)
+         VALUES ('parcels', 'p-5', 'k5', '{}', 1, 'broker refused', now())",
+        "INSERT INTO outbox_messages (destination, message_id, payload, published_at)
+         VALUES ('invoices', 'i-1', '{}', now())",
+    ] {
+        store.pool().execute(sql).await.expect("seed outbox rows");
+    }
+    let table = ok(&inbox(Some(url), &["outbox", "stats"]).await);
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 3, "{table}");
+    assert!(lines[0].starts_with("destination") && lines[0].contains("blocked keys"));
+    let invoices: Vec<&str> = lines[1].split_whitespace().collect();
+    assert_eq!(
+        invoices,
+        ["invoices", "0", "0", "0", "0", "1", "-"],
+        "{table}"
+    );
+    let parcels: Vec<&str> = lines[2].split_whitespace().collect();
+    assert_eq!(
+        &parcels[..6],
+        ["parcels", "5", "1", "2", "3", "0"],
+        "{table}"
+    );
+    assert!(parcels[6].starts_with("2h"), "oldest pending: {table}");
+    let stats = json(&inbox(Some(url), &["outbox", "stats", "--json"]).await);
+    assert_eq!(stats[1]["destination"], "parcels");
+    assert_eq!(stats[1]["blocked_keys"], 3);
+
+    let dead = ok(&inbox(Some(url), &["outbox", "dead", "list"]).await);
+    assert_eq!(
+        dead.lines().count(),
+        3,
+        "a header and one line per row:\n{dead}"
+    );
+    assert!(dead.contains("message too large (frame 131072)"), "{dead}");
+    let dead = json(&inbox(Some(url), &["outbox", "dead", "list", "--json"]).await);
+    let row = |message: &str| {
+        dead.as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["message_id"] == message)
+            .unwrap()["id"]
+            .as_i64()
+            .unwrap()
+            .to_string()
+    };
+    let (p1, p5) = (row("p-1"), row("p-5"));
+    assert_eq!(dead[0]["ordering_key"], "k1");
+
+    let retried = ok(&inbox(Some(url), &["outbox", "dead", "retry", &p1]).await);
+    assert_eq!(retried.trim(), "1 dead rows will be published again");
+    let skipped = ok(&inbox(Some(url), &["outbox", "dead", "skip", &p5]).await);
+    assert_eq!(skipped.trim(), "1 dead rows deleted without publishing");
+    let none = ok(&inbox(Some(url), &["outbox", "dead", "list"]).await);
+    assert_eq!(none.trim(), "no dead outbox rows");
+    let again = ok(&inbox(Some(url), &["outbox", "dead", "retry", "--all"]).await);
+    assert_eq!(again.trim(), "0 dead rows will be published again");
+    let stats = json(&inbox(Some(url), &["outbox", "stats", "--json"]).await);
+    assert_eq!(
+        (stats[1]["pending"].as_u64(), stats[1]["dead"].as_u64()),
+        (Some(4), Some(0))
+    );
+    let refused = inbox(Some(url), &["outbox", "dead", "skip"]).await;
+    assert!(!refused.status.success(), "skip needs row ids");
+}
+
 /// A consumer dead-letters two messages through a real broker; after the fix, `inbox dead replay`
 /// (one by id, then `--all`) republishes them and the consumer handles each once.
 async fn replay_through(brokers: &dyn BrokerFactory, transport: &str) {

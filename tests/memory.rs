@@ -648,3 +648,81 @@ mod outbox_late_commits {
         relay.expect("the relay publishes the late commit");
     }
 }
+
+/// Fencing: a batch whose lease lapsed and whose rows another relay claimed can neither mark them
+/// published nor record a failure on them; the new holder can.
+mod outbox_fencing {
+    use std::time::Duration;
+
+    use inbox::InboxStore;
+    use inbox::OutgoingMessage;
+    use inbox::outbox::{Outbox, OutboxStore, PublishFailure};
+
+    use crate::conformance::stores::{Postgres, Sqlite};
+    use crate::conformance::{TestDb, eventually};
+
+    async fn a_lapsed_lease_cannot_mark<S: OutboxStore>(store: S) {
+        let outbox = Outbox::new(store.clone()).signal_other_processes(false);
+        let mut tx = store.begin().await.unwrap();
+        let sent = outbox
+            .send(
+                &mut tx,
+                "fenced",
+                OutgoingMessage::new("f-1", "{}").with_key("k"),
+            )
+            .await
+            .unwrap();
+        outbox.commit(tx).await.unwrap();
+        let lease = Duration::from_millis(200);
+        let first = store
+            .claim_outbox(10, lease, "00000000-0000-4000-8000-00000000000a")
+            .await
+            .unwrap();
+        assert_eq!(first.len(), 1);
+        let old = "00000000-0000-4000-8000-00000000000a";
+        let new = "00000000-0000-4000-8000-00000000000b";
+        eventually(
+            "the lease lapses and another batch claims the row",
+            || async {
+                match store.claim_outbox(10, Duration::from_secs(60), new).await {
+                    Ok(rows) if rows.len() == 1 => Ok(()),
+                    other => Err(format!("{other:?}")),
+                }
+            },
+        )
+        .await;
+        let failure = PublishFailure::new(sent.row_id, "stale", Duration::ZERO, true);
+        store
+            .record_publish_failures(old, &[failure])
+            .await
+            .unwrap();
+        assert!(
+            store.outbox_dead(10).await.unwrap().is_empty(),
+            "a stale batch cannot kill the row"
+        );
+        assert_eq!(
+            store
+                .mark_published(old, &[sent.row_id], false)
+                .await
+                .unwrap(),
+            0
+        );
+        assert_eq!(
+            store
+                .mark_published(new, &[sent.row_id], false)
+                .await
+                .unwrap(),
+            1
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lapsed_lease_cannot_mark_on_postgres() {
+        a_lapsed_lease_cannot_mark(Postgres.store().await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lapsed_lease_cannot_mark_on_sqlite() {
+        a_lapsed_lease_cannot_mark(Sqlite.store().await).await;
+    }
+}

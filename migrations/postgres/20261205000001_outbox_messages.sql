@@ -3,7 +3,8 @@
 CREATE TABLE IF NOT EXISTS outbox_messages (
     -- The row id (what `inbox outbox dead retry|skip` take). Within an ordering key, rows are
     -- published in id order; writers of one key take a transaction-scoped lock before the id,
-    -- so id order is their commit order.
+    -- so id order is their commit order. (That needs the identity's default CACHE 1: a cache
+    -- hands each session a range of its own, and ids would no longer follow the lock.)
     id           bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     destination  text        NOT NULL CHECK (octet_length(destination) BETWEEN 1 AND 255),
     message_id   text        NOT NULL CHECK (octet_length(message_id) BETWEEN 1 AND 255),
@@ -17,6 +18,9 @@ CREATE TABLE IF NOT EXISTS outbox_messages (
     -- Not published before this (a failed row's backoff).
     available_at timestamptz NOT NULL DEFAULT clock_timestamp(),
     attempts     integer     NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+    -- Of those, the publishes that found no route (no queue bound, no topic): they have a limit
+    -- of their own, which an outage's failures must not use up.
+    no_routes    integer     NOT NULL DEFAULT 0 CHECK (no_routes >= 0),
     last_error   text,
     -- The relay batch that holds the row, until `lease_until`; a mark must name it (fencing).
     lease_token  uuid,

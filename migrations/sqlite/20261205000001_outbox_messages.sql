@@ -13,6 +13,7 @@ CREATE TABLE IF NOT EXISTS outbox_messages (
     created_at   TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')),
     available_at TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')),
     attempts     INTEGER NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+    no_routes    INTEGER NOT NULL DEFAULT 0 CHECK (no_routes >= 0),
     last_error   TEXT,
     lease_token  TEXT,
     lease_until  TEXT,

@@ -1,6 +1,6 @@
 //! `inbox`: the operator's command line for an inbox table (migrate, stats, cleanup, dead
-//! letters). Reads `DATABASE_URL` (PostgreSQL, or SQLite); replay reads `AMQP_URL` or
-//! `KAFKA_BROKERS`. Errors are one line on stderr and a non-zero exit; the database password is
+//! letters) and its outbox (stats, dead rows). Reads `DATABASE_URL` (PostgreSQL, or SQLite);
+//! replay reads `AMQP_URL` or `KAFKA_BROKERS`. Errors are one line on stderr and a non-zero exit; the database password is
 //! never printed.
 
 use std::process::ExitCode;
@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use inbox::dead_letter::Replay;
+use inbox::outbox::OutboxStore;
 use inbox::store::{ConsumerStats, DeadLetter};
 use inbox::{Cleanup, ConsumerName, InboxAdmin, MessageId, PostgresStore, SqliteStore, Transport};
 
@@ -42,6 +43,51 @@ enum Command {
     /// Dead-lettered messages.
     #[command(subcommand)]
     Dead(DeadCommand),
+    /// The outbox: what waits to be published, and rows that could not be.
+    #[command(subcommand)]
+    Outbox(OutboxCommand),
+}
+
+#[derive(Subcommand)]
+enum OutboxCommand {
+    /// Pending, failing and dead rows, blocked ordering keys and the relay's lag, per
+    /// destination.
+    Stats {
+        /// One JSON array, for scripts.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Rows the relay gave up on.
+    #[command(subcommand)]
+    Dead(OutboxDeadCommand),
+}
+
+#[derive(Subcommand)]
+enum OutboxDeadCommand {
+    /// List dead rows, oldest first.
+    List {
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+        /// One JSON array, for scripts.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Publish dead rows again, with a fresh attempt budget (their keys' later rows follow).
+    Retry {
+        /// Row ids (the `id` column of `outbox dead list`).
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        rows: Vec<i64>,
+        /// Every dead row.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Delete dead rows without publishing them, releasing the later rows of their keys.
+    Skip {
+        /// Row ids (the `id` column of `outbox dead list`).
+        #[arg(required = true)]
+        rows: Vec<i64>,
+    },
 }
 
 #[derive(Args)]
@@ -143,7 +189,10 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
     }
 }
 
-async fn command<S: InboxAdmin + Clone>(command: Command, store: S) -> Result<ExitCode, Error> {
+async fn command<S: InboxAdmin + OutboxStore + Clone>(
+    command: Command,
+    store: S,
+) -> Result<ExitCode, Error> {
     match command {
         Command::Migrate => {
             store.migrate().await?;
@@ -173,8 +222,95 @@ async fn command<S: InboxAdmin + Clone>(command: Command, store: S) -> Result<Ex
             }
         }
         Command::Dead(DeadCommand::Replay(args)) => return replay(&store, args).await,
+        Command::Outbox(command) => outbox(&store, command).await?,
     }
     Ok(ExitCode::SUCCESS)
+}
+
+async fn outbox<S: OutboxStore>(store: &S, command: OutboxCommand) -> Result<(), Error> {
+    match command {
+        OutboxCommand::Stats { json } => {
+            let stats = store.outbox_stats().await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&stats)?);
+            } else if stats.is_empty() {
+                println!("no outbox rows");
+            } else {
+                let width = stats
+                    .iter()
+                    .map(|s| s.destination.len())
+                    .max()
+                    .unwrap_or(0)
+                    .max(11);
+                println!(
+                    "{:<width$}  {:>8}  {:>8}  {:>6}  {:>12}  {:>10}  {:>14}",
+                    "destination",
+                    "pending",
+                    "failing",
+                    "dead",
+                    "blocked keys",
+                    "published",
+                    "oldest pending"
+                );
+                for s in &stats {
+                    println!(
+                        "{:<width$}  {:>8}  {:>8}  {:>6}  {:>12}  {:>10}  {:>14}",
+                        s.destination,
+                        s.pending,
+                        s.failing,
+                        s.dead,
+                        s.blocked_keys,
+                        s.published_kept,
+                        s.oldest_pending_seconds
+                            .map_or("-".to_owned(), |secs| age(Duration::from_secs_f64(secs))),
+                    );
+                }
+            }
+        }
+        OutboxCommand::Dead(OutboxDeadCommand::List { limit, json }) => {
+            let dead = store.outbox_dead(limit).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&dead)?);
+            } else if dead.is_empty() {
+                println!("no dead outbox rows");
+            } else {
+                println!(
+                    "{:>10}  {:<24}  {:<38}  {:<16}  {:>8}  last error",
+                    "id", "destination", "message id", "key", "attempts"
+                );
+                for d in &dead {
+                    let error: String = d
+                        .last_error
+                        .as_deref()
+                        .unwrap_or("-")
+                        .chars()
+                        .map(|c| if c.is_control() { ' ' } else { c })
+                        .take(120)
+                        .collect();
+                    println!(
+                        "{:>10}  {:<24}  {:<38}  {:<16}  {:>8}  {}",
+                        d.id,
+                        d.destination,
+                        d.message_id,
+                        d.ordering_key.as_deref().unwrap_or("-"),
+                        d.attempts,
+                        error
+                    );
+                }
+            }
+        }
+        OutboxCommand::Dead(OutboxDeadCommand::Retry { rows, all }) => {
+            let retried = store
+                .outbox_retry(if all { None } else { Some(&rows) })
+                .await?;
+            println!("{retried} dead rows will be published again");
+        }
+        OutboxCommand::Dead(OutboxDeadCommand::Skip { rows }) => {
+            let skipped = store.outbox_skip(&rows).await?;
+            println!("{skipped} dead rows deleted without publishing");
+        }
+    }
+    Ok(())
 }
 
 fn print_stats(stats: &[ConsumerStats]) {

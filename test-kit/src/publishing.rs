@@ -34,6 +34,9 @@ pub struct Publishing {
     stalled: AtomicUsize,
     gate: tokio::sync::watch::Sender<bool>,
     at_gate: AtomicUsize,
+    no_route: Mutex<HashSet<String>>,
+    in_flight: Mutex<std::collections::HashMap<String, usize>>,
+    most_in_flight_per_key: AtomicUsize,
 }
 
 impl Publishing {
@@ -49,6 +52,9 @@ impl Publishing {
             stalled: AtomicUsize::new(0),
             gate: tokio::sync::watch::Sender::new(true),
             at_gate: AtomicUsize::new(0),
+            no_route: Mutex::default(),
+            in_flight: Mutex::default(),
+            most_in_flight_per_key: AtomicUsize::new(0),
         })
     }
 
@@ -113,6 +119,17 @@ impl Publishing {
         self.at_gate.load(Ordering::SeqCst)
     }
 
+    /// The broker has no route for these ids (`NoRoute`, transient), for ever.
+    pub fn no_route(&self, ids: &[&str]) {
+        let mut no_route = self.no_route.lock().unwrap();
+        no_route.extend(ids.iter().map(|s| (*s).to_owned()));
+    }
+
+    /// The most publishes of one ordering key that were in flight at once so far.
+    pub fn most_in_flight_per_key(&self) -> usize {
+        self.most_in_flight_per_key.load(Ordering::SeqCst)
+    }
+
     fn take_stall(&self) -> bool {
         self.stall_after
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
@@ -148,20 +165,24 @@ impl Transport for Publishing {
                 "broker down (injected)".into(),
             ));
         }
+        if self.no_route.lock().unwrap().contains(&id) {
+            return Err(TransportError::NoRoute("no queue bound (injected)".into()));
+        }
         if self.refused.lock().unwrap().contains(&id) {
             return Err(TransportError::Refused(
                 "message too large (injected)".into(),
             ));
         }
+        let key = message
+            .key
+            .as_ref()
+            .map(|k| String::from_utf8_lossy(k).into_owned());
+        let _in_flight = key.as_ref().map(|key| InFlight::enter(self, key));
         let mut gate = self.gate.subscribe();
         if !*gate.borrow_and_update() {
             self.at_gate.fetch_add(1, Ordering::SeqCst);
             let _ = gate.wait_for(|open| *open).await;
         }
-        let key = message
-            .key
-            .as_ref()
-            .map(|k| String::from_utf8_lossy(k).into_owned());
         self.inner.publish(destination, message).await?;
         self.log.lock().unwrap().push(Published {
             destination: destination.to_owned(),
@@ -181,5 +202,35 @@ impl Transport for Publishing {
     }
     async fn drained(&self) {
         self.inner.drained().await
+    }
+}
+
+/// One publish of a key in flight, from before the broker until it returns (or is dropped).
+struct InFlight<'a> {
+    publishing: &'a Publishing,
+    key: String,
+}
+
+impl<'a> InFlight<'a> {
+    fn enter(publishing: &'a Publishing, key: &str) -> Self {
+        let mut in_flight = publishing.in_flight.lock().unwrap();
+        let n = in_flight.entry(key.to_owned()).or_default();
+        *n += 1;
+        publishing
+            .most_in_flight_per_key
+            .fetch_max(*n, Ordering::SeqCst);
+        Self {
+            publishing,
+            key: key.to_owned(),
+        }
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        let mut in_flight = self.publishing.in_flight.lock().unwrap();
+        if let Some(n) = in_flight.get_mut(&self.key) {
+            *n -= 1;
+        }
     }
 }

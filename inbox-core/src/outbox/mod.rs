@@ -79,6 +79,8 @@ pub struct OutboxRow {
     pub message: OutgoingMessage,
     /// Failed publishes so far.
     pub attempts: u32,
+    /// Of those, the ones that found no route.
+    pub no_routes: u32,
     /// How long ago the row was written, by the database's clock at the claim.
     pub age: Duration,
 }
@@ -95,6 +97,21 @@ pub struct PublishFailure {
     pub retry_after: Duration,
     /// Marked dead: not tried again unless an operator retries it.
     pub dead: bool,
+    /// The broker had no route for it (counted apart: see `Relay::max_no_route_attempts`).
+    pub no_route: bool,
+}
+
+impl PublishFailure {
+    /// A failure of row `id` (not a no-route one).
+    pub fn new(id: i64, error: impl Into<String>, retry_after: Duration, dead: bool) -> Self {
+        Self {
+            id,
+            error: error.into(),
+            retry_after,
+            dead,
+            no_route: false,
+        }
+    }
 }
 
 /// Counts for one destination, as `inbox outbox stats` shows them.
@@ -187,7 +204,8 @@ pub trait OutboxStore: InboxStore + Clone {
     /// Returns how many.
     async fn outbox_retry(&self, ids: Option<&[i64]>) -> Result<u64, StoreError>;
 
-    /// Deletes dead rows without publishing them, releasing their keys. Returns how many.
+    /// Deletes dead or failing rows (a failing row has failed publishes; transient failures are
+    /// retried for ever) without publishing them, releasing their keys. Returns how many.
     async fn outbox_skip(&self, ids: &[i64]) -> Result<u64, StoreError>;
 
     /// Deletes up to `limit` published rows older than `older_than`. Returns how many.
@@ -366,7 +384,7 @@ fn row(
     ordering_key: Option<String>,
     payload: Vec<u8>,
     headers: &str,
-    attempts: i64,
+    (attempts, no_routes): (i64, i64),
     age_seconds: f64,
 ) -> OutboxRow {
     OutboxRow {
@@ -379,6 +397,7 @@ fn row(
             key: ordering_key.map(Into::into),
         },
         attempts: u32::try_from(attempts.max(0)).unwrap_or(u32::MAX),
+        no_routes: u32::try_from(no_routes.max(0)).unwrap_or(u32::MAX),
         age: Duration::from_secs_f64(age_seconds.max(0.0)),
     }
 }

@@ -61,7 +61,7 @@ FROM (
 ) AS picked
 WHERE o.id = picked.id
 RETURNING o.id, o.destination, o.message_id, o.ordering_key, o.payload, o.headers::text,
-  o.attempts, EXTRACT(EPOCH FROM clock_timestamp() - o.created_at)::float8";
+  o.attempts, o.no_routes, EXTRACT(EPOCH FROM clock_timestamp() - o.created_at)::float8";
 
 #[async_trait]
 impl OutboxStore for PostgresStore {
@@ -96,15 +96,23 @@ impl OutboxStore for PostgresStore {
         if let Some(id) = inserted {
             return Ok((id, true));
         }
-        let id: i64 = sqlx::query_scalar(
+        let existing: Option<i64> = sqlx::query_scalar(
             "SELECT id FROM outbox_messages WHERE destination = $1 AND message_id = $2",
         )
         .bind(destination)
         .bind(message_id)
-        .fetch_one(&mut **tx)
+        .fetch_optional(&mut **tx)
         .await
         .map_err(store_error)?;
-        Ok((id, false))
+        match existing {
+            Some(id) => Ok((id, false)),
+            // Published and deleted between the two statements: the send's dedup ends with the
+            // row, so this is a new row (a duplicate the consumer's inbox discards).
+            None => {
+                Box::pin(self.insert_outbox(tx, destination, message_id, message, ordering_key))
+                    .await
+            }
+        }
     }
 
     async fn claim_outbox(
@@ -121,6 +129,7 @@ impl OutboxStore for PostgresStore {
             Vec<u8>,
             String,
             i32,
+            i32,
             f64,
         );
         let rows: Vec<Row> = sqlx::query_as(CLAIM)
@@ -133,7 +142,8 @@ impl OutboxStore for PostgresStore {
         let mut rows: Vec<OutboxRow> = rows
             .into_iter()
             .map(
-                |(id, destination, message_id, key, payload, headers, attempts, age)| {
+                |(id, destination, message_id, key, payload, headers, attempts, no_routes, age)| {
+                    let counts = (i64::from(attempts), i64::from(no_routes));
                     super::row(
                         id,
                         destination,
@@ -141,7 +151,7 @@ impl OutboxStore for PostgresStore {
                         key,
                         payload,
                         &headers,
-                        i64::from(attempts),
+                        counts,
                         age,
                     )
                 },
@@ -187,13 +197,16 @@ impl OutboxStore for PostgresStore {
             .map(|f| f.retry_after.as_millis() as f64)
             .collect();
         let dead: Vec<bool> = failures.iter().map(|f| f.dead).collect();
+        let no_route: Vec<bool> = failures.iter().map(|f| f.no_route).collect();
         sqlx::query(
             "UPDATE outbox_messages AS o
              SET attempts = o.attempts + 1, last_error = f.error,
+                 no_routes = o.no_routes + CASE WHEN f.no_route THEN 1 ELSE 0 END,
                  available_at = clock_timestamp() + f.delay_ms * interval '1 millisecond',
                  dead_at = CASE WHEN f.dead THEN clock_timestamp() END,
                  lease_token = NULL, lease_until = NULL
-             FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::bool[]) AS f(id, error, delay_ms, dead)
+             FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::bool[], $6::bool[])
+               AS f(id, error, delay_ms, dead, no_route)
              WHERE o.id = f.id AND o.lease_token = $5::uuid",
         )
         .bind(&ids)
@@ -201,6 +214,7 @@ impl OutboxStore for PostgresStore {
         .bind(&delays)
         .bind(&dead)
         .bind(token)
+        .bind(&no_route)
         .execute(self.pool())
         .await
         .map_err(store_error)?;
@@ -252,7 +266,7 @@ impl OutboxStore for PostgresStore {
 
     async fn outbox_retry(&self, ids: Option<&[i64]>) -> Result<u64, StoreError> {
         let done = sqlx::query(
-            "UPDATE outbox_messages SET dead_at = NULL, attempts = 0, available_at = clock_timestamp()
+            "UPDATE outbox_messages SET dead_at = NULL, attempts = 0, no_routes = 0, available_at = clock_timestamp()
              WHERE dead_at IS NOT NULL AND ($1::bigint[] IS NULL OR id = ANY($1))",
         )
         .bind(ids)
@@ -264,7 +278,7 @@ impl OutboxStore for PostgresStore {
 
     async fn outbox_skip(&self, ids: &[i64]) -> Result<u64, StoreError> {
         let done =
-            sqlx::query("DELETE FROM outbox_messages WHERE dead_at IS NOT NULL AND id = ANY($1)")
+            sqlx::query("DELETE FROM outbox_messages WHERE published_at IS NULL AND (dead_at IS NOT NULL OR attempts > 0) AND id = ANY($1)")
                 .bind(ids)
                 .execute(self.pool())
                 .await

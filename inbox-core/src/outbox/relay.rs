@@ -214,6 +214,10 @@ impl<S: OutboxStore> Relay<S> {
     async fn run_once_into(&self, report: &mut RelayReport) -> Result<Batch, StoreError> {
         let store = &self.outbox.store;
         let token = uuid::Uuid::new_v4().to_string();
+        // The lease runs from the claim, by the database's clock; stop waiting for confirms a
+        // tenth of it before it ends by ours, so that no publish of ours is still in flight
+        // once another relay may have the row (and the next row of its key).
+        let deadline = Instant::now() + self.lease - self.lease / 10;
         let rows = store
             .claim_outbox(self.batch_size, self.lease, &token)
             .await?;
@@ -227,9 +231,7 @@ impl<S: OutboxStore> Relay<S> {
             rows = rows.len()
         );
         let started = Instant::now();
-        // Pipelined: every publish in flight at once, each bounded by the lease (after it,
-        // another relay may have the row and the mark would be refused anyway).
-        let deadline = started + self.lease;
+        // Pipelined: every publish in flight at once, each bounded by the lease.
         let results = futures::future::join_all(rows.iter().map(|row| {
             let publish = self
                 .transport
@@ -249,6 +251,22 @@ impl<S: OutboxStore> Relay<S> {
         let mut published = Vec::new();
         let mut failed = Vec::new();
         for (row, result) in rows.iter().zip(results) {
+            let result = match result {
+                // Tried once more on its own before the row is dead: on a broker whose channel
+                // one refused message closes (RabbitMQ), every publish in flight on it fails
+                // with that refusal, the innocent ones too.
+                Err(e) if !e.is_transient() && rows.len() > 1 => {
+                    tracing::debug!(row = row.id, error = %e, "outbox publish refused in a batch; trying it alone");
+                    let alone = self
+                        .transport
+                        .publish(&row.destination, row.message.clone());
+                    match tokio::time::timeout_at(deadline, alone).await {
+                        Ok(result) => result,
+                        Err(_) => Err(e),
+                    }
+                }
+                other => other,
+            };
             match result {
                 Ok(()) => published.push(row),
                 Err(e) => failed.push((row, self.failure(row, &e))),
@@ -319,15 +337,18 @@ impl<S: OutboxStore> Relay<S> {
 
     fn failure(&self, row: &OutboxRow, error: &TransportError) -> PublishFailure {
         let attempts = row.attempts.saturating_add(1);
-        let dead = match error {
-            TransportError::NoRoute(_) => attempts >= self.max_no_route_attempts,
-            e => !e.is_transient(),
+        let no_route = matches!(error, TransportError::NoRoute(_));
+        let dead = if no_route {
+            row.no_routes.saturating_add(1) >= self.max_no_route_attempts
+        } else {
+            !error.is_transient()
         };
         PublishFailure {
             id: row.id,
             error: error_chain(error),
             retry_after: self.backoff(attempts),
             dead,
+            no_route,
         }
     }
 

@@ -303,6 +303,11 @@ pub async fn outbox_relays_share_the_work<D: TestDb>(brokers: &dyn BrokerFactory
             published += relay.stop().await.published;
         }
         assert_eq!(published, 120, "{relays} relays published each row once");
+        assert_eq!(
+            transport.most_in_flight_per_key(),
+            1,
+            "one publish in flight per key"
+        );
     }
     let ids: Vec<String> = committed.iter().map(|r| r.1.clone()).collect();
     s.wait_for(&[&name], ids.len()).await;
@@ -450,6 +455,11 @@ pub async fn outbox_keeps_key_order_under_out_of_order_commits<D: TestDb>(
         relay.stop().await;
     }
     check_published(&committed, &transport.log(), true).unwrap();
+    assert_eq!(
+        transport.most_in_flight_per_key(),
+        1,
+        "one publish in flight per key"
+    );
 }
 
 /// A row the broker refuses is dead after its attempts, with its reason, and holds back the
@@ -467,6 +477,9 @@ pub async fn outbox_poison_row_holds_back_only_its_key<D: TestDb>(
     let [p1, p2, q1, u1, r1, r2] =
         ["p1", "p2", "q1", "u1", "r1", "r2"].map(|n| format!("{}-{n}", s.run));
     transport.refuse(&[&p1, &r1]);
+    // And one the broker never has a route for: dead after its no-route attempts.
+    let lost = format!("{}-lost", s.run);
+    transport.no_route(&[&lost]);
     let mut committed = Vec::new();
     for (id, key) in [
         (&p1, Some("kp")),
@@ -478,12 +491,13 @@ pub async fn outbox_poison_row_holds_back_only_its_key<D: TestDb>(
     ] {
         committed.push(send_committed(&outbox, &s.source, id, key).await);
     }
-    let running = RunningRelay::start(relay(&outbox, &transport));
+    send_committed(&outbox, &s.source, &lost, Some("kl")).await;
+    let running = RunningRelay::start(relay(&outbox, &transport).max_no_route_attempts(3));
     eventually(
         "the poison rows are dead and the others published",
         || async {
             let dead = s.store.outbox_dead(10).await.map_err(|e| e.to_string())?;
-            if dead.len() != 2 || transport.count(&q1) == 0 || transport.count(&u1) == 0 {
+            if dead.len() != 3 || transport.count(&q1) == 0 || transport.count(&u1) == 0 {
                 return Err(format!("dead {dead:?}, published {:?}", transport.log()));
             }
             Ok(())
@@ -491,13 +505,15 @@ pub async fn outbox_poison_row_holds_back_only_its_key<D: TestDb>(
     )
     .await;
     let dead = s.store.outbox_dead(10).await.unwrap();
-    assert!(
-        dead.iter().all(|d| d
-            .last_error
-            .as_deref()
-            .is_some_and(|e| e.contains("message too large"))),
-        "{dead:?}"
-    );
+    for d in &dead {
+        let (reason, attempts) = if d.message_id == lost {
+            ("no route", 3)
+        } else {
+            ("message too large", 1)
+        };
+        let error = d.last_error.as_deref().unwrap_or_default();
+        assert!(error.contains(reason) && d.attempts == attempts, "{d:?}");
+    }
     // Nothing of the blocked keys goes out while their heads are dead.
     assert_eq!(relay(&outbox, &transport).run_once().await.unwrap(), 0);
     assert_eq!(transport.count(&p2) + transport.count(&r2), 0);
@@ -505,7 +521,7 @@ pub async fn outbox_poison_row_holds_back_only_its_key<D: TestDb>(
     let ours = stats.iter().find(|st| st.destination == s.source).unwrap();
     assert_eq!(
         (ours.dead, ours.blocked_keys, ours.pending),
-        (2, 2, 4),
+        (3, 3, 5),
         "{ours:?}"
     );
 
@@ -514,7 +530,8 @@ pub async fn outbox_poison_row_holds_back_only_its_key<D: TestDb>(
     let p1_row = dead.iter().find(|d| d.message_id == p1).unwrap().id;
     let r1_row = dead.iter().find(|d| d.message_id == r1).unwrap().id;
     assert_eq!(s.store.outbox_retry(Some(&[p1_row])).await.unwrap(), 1);
-    assert_eq!(s.store.outbox_skip(&[r1_row]).await.unwrap(), 1);
+    let lost_row = dead.iter().find(|d| d.message_id == lost).unwrap().id;
+    assert_eq!(s.store.outbox_skip(&[r1_row, lost_row]).await.unwrap(), 2);
     outbox.wake();
     wait_until_empty(&s.store).await;
     running.stop().await;
