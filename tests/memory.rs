@@ -654,7 +654,6 @@ mod outbox_late_commits {
 mod outbox_fencing {
     use std::time::Duration;
 
-    use inbox::InboxStore;
     use inbox::OutgoingMessage;
     use inbox::outbox::{Outbox, OutboxStore, PublishFailure};
 

@@ -372,6 +372,7 @@ impl<S: OutboxStore> Outbox<S> {
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 use codec::decode_headers;
 
 /// A claimed row from the columns both stores return.

@@ -136,7 +136,7 @@ impl OutboxStore for SqliteStore {
             .into_iter()
             .map(
                 |(id, destination, message_id, key, payload, headers, attempts, no_routes, age)| {
-                    let counts = (i64::from(attempts), i64::from(no_routes));
+                    let counts = (attempts, no_routes);
                     super::row(
                         id,
                         destination,
