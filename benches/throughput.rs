@@ -9,8 +9,17 @@
 //!   the store's `SELECT 1` proof that the transaction is live + commit) at the same
 //!   concurrency, and the broker's raw consume+ack rate.
 //!
+//! And the outbox (issue 14), per transport:
+//!
+//! - the relay's rate (one relay, batches of 100) beside the broker's own rate of publishes with
+//!   confirms, 100 in flight, and beside a relay of one row at a time;
+//! - the latency from a producer's commit to the broker's confirm at a steady rate
+//!   (`--outbox-rate`, 1,000 rows/s), with the relay woken by the commits and polling only;
+//! - the producer's own write rate (a parcel row per transaction, `--concurrency` writers) with
+//!   its outbox row and without.
+//!
 //! `cargo bench --bench throughput --all-features -- [--transport memory|rabbitmq|kafka|all]
-//! [--messages N] [--concurrency C] [--json FILE]`
+//! [--messages N] [--concurrency C] [--outbox-rate R] [--json FILE]`
 //!
 //! Each mode gets a source of its own with N messages published before it starts (the "copies"
 //! modes: each message twice in a row, so that the copies are handled at once); its clock starts
@@ -19,6 +28,7 @@
 //!
 //! Ratios are what to read: the machine is shared and noisy, absolute rates are context only.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -26,11 +36,12 @@ use std::time::{Duration, Instant};
 use clap::{Parser, ValueEnum};
 use futures::StreamExt;
 use inbox::memory::MemoryBroker;
+use inbox::outbox::Outbox;
 use inbox::transport::{AckToken, Capabilities, Delivery, DeliveryStream, Subscription};
 use inbox::{
     Batching, CancellationToken, Consumer, ConsumerName, Handler, HandlerError, Headers,
-    InboxAdmin, Message, OutgoingMessage, PgTx, PostgresStore, Transport, TransportError,
-    async_trait,
+    InboxAdmin, InboxStore, Message, OutgoingMessage, PgTx, PostgresStore, Transport,
+    TransportError, async_trait,
 };
 use sqlx::{Connection, Executor, PgPool};
 use tokio::sync::Semaphore;
@@ -58,6 +69,10 @@ struct Args {
     /// Seconds pgbench runs.
     #[arg(long, default_value_t = 10)]
     pgbench_seconds: u64,
+    /// Rows per second the producer commits in the outbox's latency modes (for at most
+    /// `--messages` rows or 5 seconds).
+    #[arg(long, default_value_t = 1000)]
+    outbox_rate: u64,
     /// Only the per-message inbox mode on each chosen transport, no baselines: the run to put
     /// under a profiler (`perf record -g`).
     #[arg(long)]
@@ -158,6 +173,8 @@ impl Measured {
 struct Timed {
     inner: Arc<dyn Transport>,
     latencies: Arc<Mutex<Vec<Duration>>>,
+    /// When set, the moment each publish was confirmed, by message id (the outbox's latency).
+    confirms: Mutex<Option<HashMap<String, Instant>>>,
 }
 
 impl Timed {
@@ -203,7 +220,14 @@ impl Transport for Timed {
         destination: &str,
         message: OutgoingMessage,
     ) -> Result<(), TransportError> {
-        self.inner.publish(destination, message).await
+        let id = message.message_id.clone();
+        self.inner.publish(destination, message).await?;
+        if let (Some(confirms), Some(id)) =
+            (self.confirms.lock().expect("not poisoned").as_mut(), id)
+        {
+            confirms.entry(id).or_insert_with(Instant::now);
+        }
+        Ok(())
     }
 }
 
@@ -262,6 +286,7 @@ impl Target {
         let timed = Arc::new(Timed {
             inner,
             latencies: Arc::default(),
+            confirms: Mutex::new(None),
         });
         Self {
             name,
@@ -598,6 +623,325 @@ COMMIT;
     })
 }
 
+/// A destination of its own on `target`, with a queue (RabbitMQ) or topic (Kafka) so that
+/// publishes to it have a route.
+async fn sink(target: &Target) -> Result<String, Error> {
+    let destination = format!("bench-outbox-{}", uuid::Uuid::new_v4().simple());
+    let subscription = Subscription::new(destination.clone(), ConsumerName::new("sink")?, 1);
+    target.transport.declare(&subscription).await?;
+    Ok(destination)
+}
+
+/// The broker alone: `n` publishes with confirms, 100 in flight (the relay's batch).
+async fn raw_publish(target: &Target, n: usize) -> Result<Measured, Error> {
+    let destination = sink(target).await?;
+    let started = Instant::now();
+    let transport = &target.transport;
+    let destination = &destination;
+    let mut publishes = futures::stream::iter(0..n)
+        .map(|i| async move {
+            let message =
+                OutgoingMessage::new(format!("raw-{i}"), r#"{"parcel":1}"#).with_key(i.to_string());
+            transport.publish(destination, message).await
+        })
+        .buffer_unordered(100);
+    while let Some(published) = publishes.next().await {
+        published?;
+    }
+    Ok(Measured {
+        name: "broker publish+confirm",
+        mode: "raw_publish",
+        messages: n,
+        seconds: started.elapsed().as_secs_f64().max(1e-3),
+        doubles: None,
+        latencies: Vec::new(),
+    })
+}
+
+/// `n` outbox rows to `destination`, one key each, written in transactions of 500.
+async fn fill_outbox(
+    outbox: &Outbox<PostgresStore>,
+    destination: &str,
+    n: usize,
+) -> Result<(), Error> {
+    for chunk in (0..n).collect::<Vec<_>>().chunks(500) {
+        let mut tx = outbox.store().begin().await?;
+        for i in chunk {
+            let message = OutgoingMessage::new(uuid::Uuid::now_v7().to_string(), r#"{"parcel":1}"#)
+                .with_key(format!("parcel-{i}"));
+            outbox.send(&mut tx, destination, message).await?;
+        }
+        outbox.store().commit(tx).await?;
+    }
+    Ok(())
+}
+
+/// One relay publishing `n` waiting rows, `batch` at a time: its rate from the first claim to
+/// the last mark.
+async fn relay_rate(
+    target: &Target,
+    store: &PostgresStore,
+    n: usize,
+    batch: u32,
+) -> Result<Measured, Error> {
+    let outbox = Outbox::new(store.clone()).signal_other_processes(false);
+    let destination = sink(target).await?;
+    fill_outbox(&outbox, &destination, n).await?;
+    let relay = outbox
+        .relay(Arc::clone(&target.transport))
+        .batch_size(batch);
+    let started = Instant::now();
+    let mut published = 0;
+    while published < n {
+        let now = relay.run_once().await?;
+        if now == 0 {
+            return Err(format!("the relay stopped at {published} of {n} rows").into());
+        }
+        published += now;
+    }
+    Ok(Measured {
+        name: if batch == 1 {
+            "relay, one row at a time"
+        } else {
+            "relay, batches of 100"
+        },
+        mode: if batch == 1 {
+            "outbox_relay_one_row"
+        } else {
+            "outbox_relay"
+        },
+        messages: n,
+        seconds: started.elapsed().as_secs_f64().max(1e-3),
+        doubles: None,
+        latencies: Vec::new(),
+    })
+}
+
+/// A producer committing one row per transaction at `--outbox-rate` while a relay runs: the
+/// latency from each commit to the broker's confirm. `woken`: the relay shares the producer's
+/// outbox, so each commit wakes it; otherwise it finds rows by polling only.
+async fn outbox_latency(
+    target: &Target,
+    store: &PostgresStore,
+    args: &Args,
+    woken: bool,
+) -> Result<Measured, Error> {
+    let n = args.messages.min(5 * args.outbox_rate as usize).max(1);
+    let producer = Outbox::new(store.clone()).signal_other_processes(false);
+    let relay = if woken {
+        producer.clone()
+    } else {
+        Outbox::new(store.clone()).signal_other_processes(false)
+    }
+    .relay(Arc::clone(&target.transport));
+    let destination = sink(target).await?;
+    *target.timed.confirms.lock().expect("not poisoned") = Some(HashMap::new());
+    let stop = CancellationToken::new();
+    let running = {
+        let stop = stop.clone();
+        tokio::spawn(async move { relay.run(stop).await })
+    };
+    let committed = Arc::new(Mutex::new(HashMap::new()));
+    let mut ticks = tokio::time::interval(Duration::from_secs_f64(
+        1.0 / args.outbox_rate.max(1) as f64,
+    ));
+    let writers = Arc::new(Semaphore::new(64));
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..n {
+        ticks.tick().await;
+        let permit = Arc::clone(&writers).acquire_owned().await?;
+        let (producer, committed, destination) = (
+            producer.clone(),
+            Arc::clone(&committed),
+            destination.clone(),
+        );
+        tasks.spawn(async move {
+            let _permit = permit;
+            let id = format!("latency-{}", uuid::Uuid::now_v7());
+            let mut tx = producer.store().begin().await?;
+            let message =
+                OutgoingMessage::new(id.clone(), r#"{"parcel":1}"#).with_key(format!("p-{i}"));
+            producer.send(&mut tx, &destination, message).await?;
+            producer.commit(tx).await?;
+            committed
+                .lock()
+                .expect("not poisoned")
+                .insert(id, Instant::now());
+            Ok::<(), inbox::StoreError>(())
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done??;
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let confirms = loop {
+        let count = target
+            .timed
+            .confirms
+            .lock()
+            .expect("not poisoned")
+            .as_ref()
+            .map_or(0, HashMap::len);
+        if count >= n {
+            break target.timed.confirms.lock().expect("not poisoned").take();
+        }
+        if Instant::now() > deadline {
+            return Err(format!("{count} of {n} rows published after 2 min").into());
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    .unwrap_or_default();
+    let seconds = started.elapsed().as_secs_f64();
+    stop.cancel();
+    running.await??;
+    let committed = committed.lock().expect("not poisoned");
+    let mut latencies: Vec<Duration> = committed
+        .iter()
+        .filter_map(|(id, at)| confirms.get(id).map(|c| c.saturating_duration_since(*at)))
+        .collect();
+    latencies.sort_unstable();
+    Ok(Measured {
+        name: if woken {
+            "commit->confirm, woken"
+        } else {
+            "commit->confirm, polling"
+        },
+        mode: if woken {
+            "outbox_latency"
+        } else {
+            "outbox_latency_polling"
+        },
+        messages: n,
+        seconds,
+        doubles: None,
+        latencies,
+    })
+}
+
+/// The producer's own writes, `--concurrency` writers: a parcel row per transaction, with its
+/// outbox row or without.
+async fn producer_writes(
+    store: &PostgresStore,
+    args: &Args,
+    with_outbox: bool,
+) -> Result<Measured, Error> {
+    let n = args.messages;
+    let outbox = Outbox::new(store.clone()).signal_other_processes(false);
+    let destination = format!("bench-producer-{}", uuid::Uuid::new_v4().simple());
+    let started = Instant::now();
+    let outbox = &outbox;
+    let destination = &destination;
+    let mut writes = futures::stream::iter(0..n)
+        .map(|i| async move {
+            let id = uuid::Uuid::new_v4().to_string();
+            let mut tx = outbox.store().begin().await?;
+            sqlx::query("INSERT INTO bench_parcels (id, tracking_number) VALUES ($1, $2)")
+                .bind(&id)
+                .bind(format!("TRK{i:08}"))
+                .execute(&mut *tx)
+                .await?;
+            if with_outbox {
+                let message =
+                    OutgoingMessage::new(format!("parcel-created-{id}"), "{}").with_key(id.clone());
+                outbox.send(&mut tx, destination, message).await?;
+            }
+            outbox.store().commit(tx).await?;
+            Ok::<(), Error>(())
+        })
+        .buffer_unordered(args.concurrency);
+    while let Some(written) = writes.next().await {
+        written?;
+    }
+    Ok(Measured {
+        name: if with_outbox {
+            "producer, with outbox row"
+        } else {
+            "producer, no outbox"
+        },
+        mode: if with_outbox {
+            "producer_outbox"
+        } else {
+            "producer_no_outbox"
+        },
+        messages: n,
+        seconds: started.elapsed().as_secs_f64().max(1e-3),
+        doubles: None,
+        latencies: Vec::new(),
+    })
+}
+
+/// The outbox's modes on `target`, printed as a table with their ratios.
+async fn outbox_modes(
+    target: &Target,
+    store: &PostgresStore,
+    args: &Args,
+) -> Result<Vec<serde_json::Value>, Error> {
+    let n = args.messages;
+    let raw = raw_publish(target, n).await?;
+    let relay = relay_rate(target, store, n, 100).await?;
+    let one_row = relay_rate(target, store, (n / 10).max(10), 1).await?;
+    let woken = outbox_latency(target, store, args, true).await?;
+    let polling = outbox_latency(target, store, args, false).await?;
+    let plain = producer_writes(store, args, false).await?;
+    let with_outbox = producer_writes(store, args, true).await?;
+    println!();
+    println!("== {} outbox ==", target.name);
+    println!(
+        "{:<28}{:>10}{:>10}{:>10}",
+        "mode", "msgs/s", "p50 ms", "p99 ms"
+    );
+    let mut rows = Vec::new();
+    for m in [
+        &relay,
+        &one_row,
+        &raw,
+        &woken,
+        &polling,
+        &with_outbox,
+        &plain,
+    ] {
+        rows.push(m.row(target.name));
+        println!(
+            "{:<28}{:>10.0}{:>10}{:>10}",
+            m.name,
+            m.rate(),
+            m.percentile(50.0),
+            m.percentile(99.0)
+        );
+    }
+    let ratio = |a: &Measured, b: &Measured| a.rate() / b.rate();
+    let line = |what: &str, value: f64, target: f64| {
+        let verdict = if value >= target { "met" } else { "NOT met" };
+        println!("{what:<36}{value:>8.2}   target >= {target:<5} {verdict}");
+    };
+    line("relay / broker publish+confirm", ratio(&relay, &raw), 0.7);
+    line("relay / one row at a time", ratio(&relay, &one_row), 10.0);
+    line(
+        "producer with outbox / without",
+        ratio(&with_outbox, &plain),
+        0.8,
+    );
+    let at = |m: &Measured, p| m.percentile_ms(p).unwrap_or(f64::INFINITY);
+    println!(
+        "commit->confirm at {} rows/s, woken: p50 {:.1} ms (target <= 15) {}, p99 {:.1} ms (target <= 100) {}",
+        args.outbox_rate,
+        at(&woken, 50.0),
+        if at(&woken, 50.0) <= 15.0 {
+            "met"
+        } else {
+            "NOT met"
+        },
+        at(&woken, 99.0),
+        if at(&woken, 99.0) <= 100.0 {
+            "met"
+        } else {
+            "NOT met"
+        },
+    );
+    Ok(rows)
+}
+
 /// A database of the bench's own on the server of `url`.
 async fn fresh_database(url: &str) -> Result<String, Error> {
     let name = format!("inbox_bench_{}", uuid::Uuid::new_v4().simple());
@@ -789,6 +1133,7 @@ async fn bench(args: Args) -> Result<(), Error> {
         "CREATE TABLE bench_effects (run text NOT NULL, message_id text NOT NULL, payload text NOT NULL)",
         "CREATE INDEX ON bench_effects (run, message_id)",
         "CREATE TABLE naive_processed (consumer text NOT NULL, message_id text NOT NULL, PRIMARY KEY (consumer, message_id))",
+        "CREATE TABLE bench_parcels (id text PRIMARY KEY, tracking_number text NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
     ] {
         pool.execute(ddl).await?;
     }
@@ -893,6 +1238,7 @@ async fn bench(args: Args) -> Result<(), Error> {
             inbox_copies.doubles.unwrap_or(0),
             naive_copies.doubles.unwrap_or(0)
         );
+        rows.extend(outbox_modes(t, &store, &args).await?);
     }
     let rss = peak_rss_mib();
     if let Some(rss) = rss {

@@ -158,7 +158,7 @@ impl Outcomes {
         {
             self.outage_lines.fetch_add(1, Ordering::SeqCst);
         }
-        if !line.contains("stalled before ack") {
+        if !line.contains("stalled before ack") && !line.contains("stalled after publish") {
             self.lines.lock().unwrap().push(line.to_owned());
         }
     }
@@ -168,6 +168,8 @@ impl Outcomes {
 struct ConsumerProcess {
     child: tokio::process::Child,
     stalled: Arc<Notify>,
+    /// Stalls so far.
+    stalls: Arc<AtomicU64>,
     reader: tokio::task::JoinHandle<()>,
 }
 
@@ -180,7 +182,7 @@ impl ConsumerProcess {
         env: &[(&str, String)],
         outcomes: &Arc<Outcomes>,
     ) -> Self {
-        let mut child = conformance::demo::spawn_consume(
+        let child = conformance::demo::spawn_consume(
             transport,
             database,
             source,
@@ -188,14 +190,26 @@ impl ConsumerProcess {
             env,
             "warn,inbox_core::consumer=debug,inbox_transport_kafka=info",
         );
+        Self::watch(child, outcomes)
+    }
+
+    /// Counts the process's log lines into `outcomes` and notices its stalls.
+    fn watch(mut child: tokio::process::Child, outcomes: &Arc<Outcomes>) -> Self {
         let stalled = Arc::new(Notify::new());
+        let stalls = Arc::new(AtomicU64::new(0));
         let stderr = child.stderr.take().expect("piped stderr");
         let reader = {
-            let (stalled, outcomes) = (Arc::clone(&stalled), Arc::clone(outcomes));
+            let (stalled, stalls, outcomes) = (
+                Arc::clone(&stalled),
+                Arc::clone(&stalls),
+                Arc::clone(outcomes),
+            );
             tokio::spawn(async move {
                 let mut lines = BufReader::new(stderr).lines();
                 while let Ok(Some(line)) = lines.next_line().await {
-                    if line.contains("stalled before ack") {
+                    if line.contains("stalled before ack") || line.contains("stalled after publish")
+                    {
+                        stalls.fetch_add(1, Ordering::SeqCst);
                         stalled.notify_one();
                     }
                     outcomes.count(&line);
@@ -205,8 +219,38 @@ impl ConsumerProcess {
         Self {
             child,
             stalled,
+            stalls,
             reader,
         }
+    }
+
+    /// `parcel_tracker relay` on `database`, a lease of one second; a fraction of its publishes
+    /// stall between the broker's confirm and the batch's mark.
+    fn relay(
+        broker: &Broker,
+        database: &str,
+        stall_after_publish: f64,
+        outcomes: &Arc<Outcomes>,
+    ) -> Self {
+        let stall = stall_after_publish.to_string();
+        let child = conformance::demo::spawn(
+            &[
+                "relay",
+                "--transport",
+                broker.name,
+                "--database",
+                database,
+                "--source",
+                &broker.source,
+                "--lease",
+                "1s",
+                "--stall-after-publish",
+                &stall,
+            ],
+            &broker.env,
+            "warn",
+        );
+        Self::watch(child, outcomes)
     }
 
     /// Waits for `delay`, or less if the process stalls between a commit and its ack; then
@@ -569,6 +613,139 @@ async fn eventually_drained(broker: &Broker) {
     .await;
 }
 
+/// The producer's half end to end, as separate processes on one new database (they all start at
+/// once, so their schema set-up races): each round `produce` writes a chunk of parcels with
+/// their events through the outbox while a `relay` publishes them and is killed with SIGKILL —
+/// every other one at a stall between the broker's confirm and the batch's mark, so the next
+/// relay publishes those rows again — and every fourth round the consumer process is killed
+/// too. A last relay and consumer run clean. Then every created parcel has exactly one
+/// notification and one booking, the consumers discarded the relay's second publishes, and
+/// nothing is left in the outbox or the broker.
+async fn outbox_kill_nine(broker: Broker) {
+    let plan = plan();
+    let mut dice = Dice::new();
+    let database = conformance::stores::Postgres::fresh_url().await;
+    let mut tally = Tally {
+        events: plan.events as u64,
+        ..Tally::default()
+    };
+    let (mut relay_kills, mut at_stalls, mut consumer_kills) = (0u64, 0u64, 0u64);
+    let chunk = plan.events.div_ceil(plan.kills);
+    let started = Instant::now();
+    let consume = |outcomes: &Arc<Outcomes>| {
+        ConsumerProcess::start(
+            broker.name,
+            &database,
+            &broker.source,
+            0.0,
+            &broker.env,
+            outcomes,
+        )
+    };
+    let mut consumer = Some(consume(&tally.outcomes));
+    let mut pool: Option<sqlx::PgPool> = None;
+    for k in 0..plan.kills {
+        let end = ((k + 1) * chunk).min(plan.events);
+        let count = (end - k * chunk).to_string();
+        let produce = conformance::demo::spawn(
+            &[
+                "produce",
+                "--database",
+                &database,
+                "--count",
+                &count,
+                "--source",
+                &broker.source,
+            ],
+            &[],
+            "warn",
+        );
+        let stall = if k % 2 == 0 { 0.05 } else { 0.0 };
+        let relay = ConsumerProcess::relay(&broker, &database, stall, &tally.outcomes);
+        let output = produce.wait_with_output().await.expect("produce ran");
+        assert!(
+            output.status.success(),
+            "produce: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&output.stdout).trim(),
+            format!("produced {count} parcels")
+        );
+        let pool = match &pool {
+            Some(pool) => pool,
+            None => pool.insert(
+                sqlx::PgPool::connect(&database)
+                    .await
+                    .expect("the database"),
+            ),
+        };
+        // Kill mid-stream: once this relay has marked rows of its own, or stalled.
+        let marked = || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT (SELECT count(*) FROM parcels) - (SELECT count(*) FROM outbox_messages)",
+            )
+            .fetch_one(pool)
+            .await
+            .map_err(|e| e.to_string())
+        };
+        let before = marked().await.expect("count marked rows");
+        eventually(&format!("round {k}: the relay marks rows"), || async {
+            match marked().await? {
+                n if n > before || relay.stalls.load(Ordering::SeqCst) > 0 => Ok(()),
+                n => Err(format!("{n} marked")),
+            }
+        })
+        .await;
+        at_stalls += u64::from(relay.kill_after(dice.millis(5, 300)).await);
+        relay_kills += 1;
+        if k % 4 == 3 {
+            let killed = consumer.take().expect("a consumer runs");
+            killed.kill_after(dice.millis(5, 300)).await;
+            consumer_kills += 1;
+            consumer = Some(consume(&tally.outcomes));
+        }
+    }
+    let relay = ConsumerProcess::relay(&broker, &database, 0.0, &tally.outcomes);
+    settle_and_count(&database, tally.events, &mut tally).await;
+    eventually_drained(&broker).await;
+    relay.stop(&tally.outcomes).await;
+    consumer
+        .expect("a consumer runs")
+        .stop(&tally.outcomes)
+        .await;
+    broker.assert_drained().await;
+    let report = conformance::demo::report(&database).await;
+    let duplicates = tally.outcomes.duplicates.load(Ordering::SeqCst);
+    println!(
+        "harness {} outbox kill -9: parcels {}, relay kills {relay_kills} ({at_stalls} between \
+         publish and mark), consumer kills {consumer_kills}, processed {}, duplicates discarded \
+         {duplicates}, lost = {}, doubled = {} ({:?})",
+        broker.name,
+        report["parcels_created"],
+        tally.outcomes.processed.load(Ordering::SeqCst),
+        tally.lost,
+        tally.doubled,
+        started.elapsed()
+    );
+    assert_eq!(report["parcels_created"], plan.events, "{report}");
+    assert_eq!(report["created_parcels_complete"], plan.events, "{report}");
+    assert_clean(&tally);
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_messages")
+        .fetch_one(pool.as_ref().expect("connected"))
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "outbox rows left");
+    assert!(
+        at_stalls > 0,
+        "no relay was killed between publish and mark"
+    );
+    assert!(
+        duplicates > 0,
+        "the consumers discarded no copy: the relays published nothing twice"
+    );
+}
+
 /// A fault in the middle of the stream: publish half, let the consumer work, `fault`, publish
 /// the rest; afterwards exactly once and a log that shows backoff, not a storm.
 async fn fault_mid_stream<F, Fut>(broker: Broker, restart: Restart, fault: F)
@@ -727,6 +904,11 @@ mod rabbitmq {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn rabbitmq_outbox_kill_nine() {
+        outbox_kill_nine(broker()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn rabbitmq_broker_restart() {
         fault_mid_stream(broker(), Restart::Broker, || async {
             let down = Instant::now();
@@ -850,6 +1032,11 @@ mod kafka {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn kafka_kill_nine() {
         kill_nine(broker()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn kafka_outbox_kill_nine() {
+        outbox_kill_nine(broker()).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -211,6 +211,46 @@ async fn sqlite_commits_are_durable_before_the_ack() {
     std::fs::remove_file(&path).ok();
 }
 
+/// Processes that start at once on a new SQLite file all migrate it: each waits for the write
+/// lock instead of finding a migration pending that another is applying (and failing on it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_migrations_from_many_processes_at_once() {
+    use inbox::InboxAdmin;
+    for round in 0..5 {
+        let path = std::env::temp_dir().join(format!(
+            "inbox-migrate-{}.db",
+            uuid::Uuid::new_v4().simple()
+        ));
+        let url = format!("sqlite:{}", path.display());
+        // Separate stores: separate connections, as separate processes would have.
+        let mut stores = Vec::new();
+        for _ in 0..6 {
+            stores.push(inbox::SqliteStore::connect(&url).await.unwrap());
+        }
+        let results = futures::future::join_all(stores.iter().map(|s| s.migrate())).await;
+        for result in results {
+            result.unwrap_or_else(|e| panic!("round {round}: {e}"));
+        }
+        let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM inbox_schema_migrations")
+            .fetch_one(stores[0].pool())
+            .await
+            .unwrap();
+        assert_eq!(applied as usize, inbox_migrations_count(), "round {round}");
+        std::fs::remove_file(&path).ok();
+    }
+}
+
+/// Our SQLite migrations.
+fn inbox_migrations_count() -> usize {
+    std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/sqlite"))
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .is_ok_and(|e| e.path().extension().is_some_and(|x| x == "sql"))
+        })
+        .count()
+}
+
 /// Batch mode really batches: 200 waiting messages take a handful of transactions, not 200.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn batch_mode_uses_one_transaction_per_batch() {

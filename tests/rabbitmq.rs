@@ -292,6 +292,152 @@ async fn another_clients_messages_are_handled_once_by_the_demo() {
     DemoConsumer::assert_exactly_once(&database, &stderr, events as u64, duplicated as u64).await;
 }
 
+/// The loop from the API call to the consumers' commits, as separate processes: the demo's HTTP
+/// API (`serve`) creates parcels with their events in the outbox, a `relay` publishes them, the
+/// demo's consumers (on a database of their own) handle them. Clients' retries with an
+/// `Idempotency-Key`, one of them concurrent, create nothing twice; bad requests are refused
+/// with a one-line reason and write nothing; then `report --parcels-database --expect` agrees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_api_relay_and_consumers_handle_each_parcel_once() {
+    use conformance::demo::{self, DemoConsumer, http};
+    use tokio::io::AsyncBufReadExt;
+
+    let source = format!("parcels-{}", uuid::Uuid::new_v4().simple());
+    let env = [("AMQP_URL", conformance::services::amqp_url())];
+    let producer_db = conformance::stores::Postgres::fresh_url().await;
+    let mut serve = demo::spawn(
+        &[
+            "serve",
+            "--database",
+            &producer_db,
+            "--addr",
+            "127.0.0.1:0",
+            "--source",
+            &source,
+        ],
+        &[],
+        "warn",
+    );
+    let relay = demo::spawn(
+        &[
+            "relay",
+            "--transport",
+            "rabbitmq",
+            "--database",
+            &producer_db,
+            "--source",
+            &source,
+        ],
+        &env,
+        "warn",
+    );
+    let consumers = DemoConsumer::start("rabbitmq", &source, &env).await;
+    let mut stdout = tokio::io::BufReader::new(serve.stdout.take().unwrap()).lines();
+    let line = tokio::time::timeout(conformance::DEADLINE, stdout.next_line())
+        .await
+        .expect("serve says where it listens")
+        .unwrap()
+        .expect("a line");
+    let addr = line
+        .strip_prefix("listening on http://")
+        .unwrap_or_else(|| panic!("{line}"))
+        .to_owned();
+    let json = [("Content-Type", "application/json")];
+
+    let health = http(&addr, "GET", "/health", &[], "").await;
+    assert_eq!((health.status, health.body.as_str()), (200, "ok\n"));
+    for (body, status) in [
+        (r#"{"tracking_number": "TRK"#, 400),
+        ("not json", 400),
+        ("[]", 422),
+        (r#"{"tracking_number": 5, "destination": "Oslo"}"#, 422),
+        (r#"{"tracking_number": "TRK-1"}"#, 422),
+        (r#"{"tracking_number": "", "destination": "Oslo"}"#, 422),
+    ] {
+        let answer = http(&addr, "POST", "/parcels", &json, body).await;
+        assert_eq!(answer.status, status, "{body}: {answer:?}");
+        assert_eq!(
+            answer.body.trim_end().lines().count(),
+            1,
+            "one line: {answer:?}"
+        );
+    }
+
+    let parcels = 30;
+    let body = |n: usize| format!(r#"{{"tracking_number": "TRK-API-{n}", "destination": "Oslo"}}"#);
+    let mut ids = std::collections::HashSet::new();
+    for n in 0..parcels {
+        let key = format!("{source}-{n}");
+        let headers = [json[0], ("Idempotency-Key", key.as_str())];
+        let first = http(&addr, "POST", "/parcels", &headers, &body(n)).await;
+        assert_eq!(first.status, 201, "{first:?}");
+        let id: serde_json::Value = serde_json::from_str(&first.body).unwrap();
+        assert!(ids.insert(id["parcel_id"].as_str().unwrap().to_owned()));
+        if n % 5 == 0 {
+            // The client's retry: the same parcel, nothing written.
+            let again = http(&addr, "POST", "/parcels", &headers, &body(n)).await;
+            assert_eq!((again.status, &again.body), (201, &first.body), "{again:?}");
+            assert_eq!(again.header("idempotent-replayed"), Some("true"));
+            // The same key for another request is refused.
+            let other = http(&addr, "POST", "/parcels", &headers, &body(n + 1000)).await;
+            assert_eq!(other.status, 422, "{other:?}");
+        }
+    }
+    // Two copies of one request at once: one parcel.
+    let headers = [json[0], ("Idempotency-Key", "concurrent")];
+    let same = body(parcels);
+    let (a, b) = tokio::join!(
+        http(&addr, "POST", "/parcels", &headers, &same),
+        http(&addr, "POST", "/parcels", &headers, &same),
+    );
+    assert_eq!((a.status, b.status), (201, 201), "{a:?} {b:?}");
+    assert_eq!(a.body, b.body);
+    // Without a key, each request is a parcel.
+    let plain = http(&addr, "POST", "/parcels", &json, &body(parcels + 1)).await;
+    assert_eq!(plain.status, 201, "{plain:?}");
+    let created = parcels as u64 + 2;
+
+    consumers.wait_for_effects(created as i64).await;
+    demo::terminate(&serve).await;
+    demo::terminate(&relay).await;
+    for (name, child) in [("serve", serve), ("relay", relay)] {
+        let output = tokio::time::timeout(conformance::DEADLINE, child.wait_with_output())
+            .await
+            .unwrap_or_else(|_| panic!("{name} exits after SIGTERM"))
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            output.status.success(),
+            "{name} exits 0 after SIGTERM: {stderr}"
+        );
+        if name == "relay" {
+            assert!(stderr.contains("relay: batches"), "{stderr}");
+        }
+    }
+    let database = consumers.database.clone();
+    let stderr = consumers.stop().await;
+    let report = tokio::process::Command::new(demo::binary())
+        .args([
+            "report",
+            "--database",
+            &database,
+            "--parcels-database",
+            &producer_db,
+        ])
+        .args(["--expect", &created.to_string(), "--json"])
+        .output()
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&report.stdout);
+    assert!(
+        report.status.success(),
+        "report --expect {created}: {text} {stderr}"
+    );
+    let report: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(report["parcels_created"], created, "{report}");
+    assert_eq!(report["created_parcels_complete"], created, "{report}");
+}
+
 /// Sets RabbitMQ's `consumer_timeout` (and the channel tick that checks it) for the channels
 /// opened from now on, and puts the defaults back when dropped. It is server-wide (RabbitMQ 3.10
 /// has no per-queue `x-consumer-timeout`; 3.12 does): the test that uses it runs alone.

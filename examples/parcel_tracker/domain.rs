@@ -66,23 +66,33 @@ pub async fn publish_events(
 }
 
 /// The demo's own tables (an application would keep these in its own migrations). A booking has
-/// its own id and a non-unique `parcel_id`: a double booking would show as two rows.
-pub async fn create_tables<'e, E>(executor: E) -> Result<(), sqlx::Error>
-where
-    E: sqlx::Executor<'e> + Copy,
-{
-    for statement in [
+/// its own id and a non-unique `parcel_id`: a double booking would show as two rows. `parcels` is
+/// the producer's table; `parcel_requests` remembers the API's idempotency keys.
+pub fn table_statements(postgres: bool) -> Vec<String> {
+    let now = if postgres {
+        "TIMESTAMPTZ NOT NULL DEFAULT now()"
+    } else {
+        "TEXT NOT NULL DEFAULT CURRENT_TIMESTAMP"
+    };
+    vec![
         "CREATE TABLE IF NOT EXISTS notifications (
-            id TEXT PRIMARY KEY, parcel_id TEXT NOT NULL, tracking_number TEXT NOT NULL, text TEXT NOT NULL)",
-        "CREATE INDEX IF NOT EXISTS notifications_parcel ON notifications (parcel_id)",
+            id TEXT PRIMARY KEY, parcel_id TEXT NOT NULL, tracking_number TEXT NOT NULL, text TEXT NOT NULL)".to_owned(),
+        "CREATE INDEX IF NOT EXISTS notifications_parcel ON notifications (parcel_id)".to_owned(),
         "CREATE TABLE IF NOT EXISTS carrier_bookings (
-            id TEXT PRIMARY KEY, parcel_id TEXT NOT NULL, carrier TEXT NOT NULL, destination TEXT NOT NULL)",
-        "CREATE INDEX IF NOT EXISTS carrier_bookings_parcel ON carrier_bookings (parcel_id)",
-    ] {
-        executor.execute(statement).await?;
-    }
-    Ok(())
+            id TEXT PRIMARY KEY, parcel_id TEXT NOT NULL, carrier TEXT NOT NULL, destination TEXT NOT NULL)".to_owned(),
+        "CREATE INDEX IF NOT EXISTS carrier_bookings_parcel ON carrier_bookings (parcel_id)".to_owned(),
+        format!("CREATE TABLE IF NOT EXISTS parcels (
+            id TEXT PRIMARY KEY, tracking_number TEXT NOT NULL, destination TEXT NOT NULL, created_at {now})"),
+        format!("CREATE TABLE IF NOT EXISTS parcel_requests (
+            idempotency_key TEXT PRIMARY KEY, parcel_id TEXT NOT NULL, fingerprint TEXT NOT NULL, created_at {now})"),
+    ]
 }
+
+/// Parcels whose every effect happened exactly once: one notification and one booking.
+pub const COMPLETE_PARCEL_IDS: &str = "SELECT n.parcel_id FROM
+       (SELECT parcel_id FROM notifications GROUP BY parcel_id HAVING count(*) = 1) n
+     JOIN (SELECT parcel_id FROM carrier_bookings GROUP BY parcel_id HAVING count(*) = 1) b
+       ON n.parcel_id = b.parcel_id";
 
 /// Sends the customer a notification (here: writes it to `notifications`).
 pub struct Notification;
@@ -159,6 +169,10 @@ pub struct Report {
     pub parcels_complete: u64,
     pub double_notifications: u64,
     pub double_bookings: u64,
+    /// Parcels in the producer's `parcels` table (created through the outbox).
+    pub parcels_created: u64,
+    /// Of those, the ones with exactly one notification and one booking.
+    pub created_parcels_complete: u64,
     pub consumers: Vec<ConsumerCounts>,
 }
 
@@ -206,12 +220,14 @@ impl Report {
             )
             .await?,
             parcels_complete: count(
-                "SELECT count(*) FROM
+                "SELECT count(*) FROM (SELECT n.parcel_id FROM
                    (SELECT parcel_id FROM notifications GROUP BY parcel_id HAVING count(*) = 1) n
                  JOIN (SELECT parcel_id FROM carrier_bookings GROUP BY parcel_id HAVING count(*) = 1) b
-                   ON n.parcel_id = b.parcel_id",
+                   ON n.parcel_id = b.parcel_id) c",
             )
             .await?,
+            parcels_created: 0,
+            created_parcels_complete: 0,
             double_notifications: count(
                 "SELECT count(*) FROM (SELECT parcel_id FROM notifications GROUP BY parcel_id HAVING count(*) > 1) d",
             )
@@ -229,12 +245,29 @@ impl Report {
         self.double_notifications == 0
             && self.double_bookings == 0
             && self.parcels_complete == self.parcels_seen
+            && self.created_parcels_complete == self.parcels_created
+    }
+
+    /// With `created` (the producer's parcel ids) and `complete` (the consumers' complete ones).
+    pub fn with_parcels(
+        mut self,
+        created: &std::collections::HashSet<String>,
+        complete: &std::collections::HashSet<String>,
+    ) -> Self {
+        self.parcels_created = created.len() as u64;
+        self.created_parcels_complete = created.intersection(complete).count() as u64;
+        self
     }
 
     pub fn table(&self) -> String {
         let mut out = String::new();
         let mut line =
             |label: &str, value: String| out.push_str(&format!("{label:<48}{value:>12}\n"));
+        line("parcels created", self.parcels_created.to_string());
+        line(
+            "created parcels with one notification + one booking",
+            self.created_parcels_complete.to_string(),
+        );
         line("notifications", self.notifications.to_string());
         line("carrier bookings", self.bookings.to_string());
         line("parcels seen", self.parcels_seen.to_string());

@@ -1,14 +1,19 @@
 //! parcel-tracker: the inbox demo.
 //!
-//! A producer publishes `ParcelCreatedEvent`s; two consumers — `notification` and
+//! A producer creates parcels, each with its `ParcelCreatedEvent` in the outbox in the same
+//! transaction; a relay publishes the events; two consumers — `notification` and
 //! `carrier-assignment` — each write their effect rows in the inbox transaction. Run without
-//! arguments it needs no service: in-memory broker with injected faults, SQLite in a temporary
-//! file. Its subcommands drive real infrastructure (see `--help`).
+//! arguments it needs no service: in-memory broker with injected faults, a relay that crashes
+//! mid-batch, SQLite in a temporary file. Its subcommands drive real infrastructure (see
+//! `--help`).
 
 mod domain;
+mod producer;
 
+use std::collections::HashSet;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -16,6 +21,7 @@ use domain::{CarrierAssignment, Notification, Report};
 #[cfg(feature = "postgres")]
 use inbox::PostgresStore;
 use inbox::memory::{Faults, MemoryBroker};
+use inbox::outbox::{Outbox, OutboxStore};
 use inbox::{
     CancellationToken, Consumer, ConsumerName, Handler, InboxAdmin, InboxStore, OutgoingMessage,
     SqliteStore, Transport,
@@ -38,8 +44,15 @@ struct Cli {
 enum Command {
     /// Consume until SIGINT/SIGTERM, then drain and exit 0.
     Consume(ConsumeArgs),
-    /// Publish ParcelCreatedEvents (some twice, as a retrying producer would).
+    /// Publish ParcelCreatedEvents straight to the broker (some twice, as a retrying producer
+    /// would), without the outbox.
     Publish(PublishArgs),
+    /// Create parcels, each with its event in the outbox in the same transaction.
+    Produce(ProduceArgs),
+    /// Serve the HTTP API that creates parcels (POST /parcels, GET /health) until SIGINT/SIGTERM.
+    Serve(ServeArgs),
+    /// Publish the outbox's events until SIGINT/SIGTERM, then finish the batch and exit 0.
+    Relay(RelayArgs),
     /// Print what the consumers did, from the database.
     Report(ReportArgs),
 }
@@ -117,20 +130,80 @@ struct PublishArgs {
 }
 
 #[derive(Args)]
-struct ReportArgs {
+struct ProduceArgs {
+    /// The producer's database URL: postgres://… or sqlite:…
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database: String,
+    /// Parcels to create.
+    #[arg(long)]
+    count: usize,
+    /// Parcels per second (default: as fast as eight writers go).
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Where their events go (the topic / exchange).
+    #[arg(long, default_value = "parcels")]
+    source: String,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// The producer's database URL: postgres://… or sqlite:…
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database: String,
+    /// Where to listen (port 0: any free port; the line `listening on http://ADDR` says which).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    addr: std::net::SocketAddr,
+    /// Where the parcels' events go (the topic / exchange).
+    #[arg(long, default_value = "parcels")]
+    source: String,
+}
+
+#[derive(Args)]
+struct RelayArgs {
+    #[arg(long, value_enum)]
+    transport: TransportKind,
+    /// The producer's database URL: postgres://… or sqlite:…
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database: String,
+    /// The demo's destination, whose topology (the consumers' queues or groups) is declared
+    /// first, so that nothing published before the consumers start is lost. Rows go to the
+    /// destination stored in them, whatever it is.
+    #[arg(long, default_value = "parcels")]
+    source: String,
+    /// How long a batch's claim lasts: a relay killed mid-batch loses its rows to another
+    /// after this.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
+    lease: Duration,
+    /// Fault injection for the crash harness: this fraction of confirmed publishes stalls for
+    /// ever before the batch is marked, after printing `stalled after publish: <id>` on stderr,
+    /// so that a SIGKILL lands exactly there.
+    #[arg(long, default_value_t = 0.0)]
+    stall_after_publish: f64,
+}
+
+#[derive(Args)]
+struct ReportArgs {
+    /// The consumers' database URL.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database: String,
+    /// The producer's database, where `parcels` is (default: the consumers' database).
+    #[arg(long)]
+    parcels_database: Option<String>,
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
-    /// Fail unless exactly this many parcels each have one notification and one booking.
+    /// Fail unless exactly this many parcels each have one notification and one booking (and,
+    /// where parcels were created through the outbox, exactly this many were created).
     #[arg(long)]
     expect: Option<u64>,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let default_log = if matches!(cli.command, Some(Command::Consume(_))) {
+    let default_log = if matches!(
+        cli.command,
+        Some(Command::Consume(_) | Command::Relay(_) | Command::Serve(_))
+    ) {
         "info"
     } else {
         "error"
@@ -166,6 +239,9 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
         None => demo(cli.demo).await,
         Some(Command::Consume(args)) => consume(args).await,
         Some(Command::Publish(args)) => publish(args).await,
+        Some(Command::Produce(args)) => produce(args).await,
+        Some(Command::Serve(args)) => serve(args).await,
+        Some(Command::Relay(args)) => relay(args).await,
         Some(Command::Report(args)) => report(args).await,
     }
 }
@@ -231,7 +307,19 @@ fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
     }
 }
 
+/// `$body` with `$s` bound to the store of `$db`, whichever it is.
+macro_rules! with_store {
+    ($db:expr, $s:ident => $body:expr) => {
+        match $db {
+            #[cfg(feature = "postgres")]
+            Db::Postgres($s) => $body,
+            Db::Sqlite($s) => $body,
+        }
+    };
+}
+
 /// A store picked by the URL's scheme.
+#[derive(Clone)]
 enum Db {
     #[cfg(feature = "postgres")]
     Postgres(PostgresStore),
@@ -252,15 +340,32 @@ impl Db {
         } else {
             return Err("--database must be a postgres:// or sqlite: URL".into());
         };
+        // Every process of the demo may start at once on a new database: the inbox's
+        // migrations take their lock, and the demo's tables are created under one of their own
+        // (PostgreSQL: an advisory lock; SQLite: the write lock, from BEGIN IMMEDIATE), so no
+        // two `CREATE TABLE IF NOT EXISTS` race.
         match &db {
             #[cfg(feature = "postgres")]
             Db::Postgres(s) => {
                 s.migrate().await?;
-                domain::create_tables(s.pool()).await?;
+                let mut tx = s.pool().begin().await?;
+                sqlx::query("SELECT pg_advisory_xact_lock(hashtext('parcel_tracker tables'))")
+                    .execute(&mut *tx)
+                    .await?;
+                for statement in domain::table_statements(true) {
+                    sqlx::query(&statement).execute(&mut *tx).await?;
+                }
+                tx.commit().await?;
             }
             Db::Sqlite(s) => {
+                use sqlx::Connection as _;
                 s.migrate().await?;
-                domain::create_tables(s.pool()).await?;
+                let mut conn = s.pool().acquire().await?;
+                let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+                for statement in domain::table_statements(false) {
+                    sqlx::query(&statement).execute(&mut *tx).await?;
+                }
+                tx.commit().await?;
             }
         }
         Ok(db)
@@ -282,13 +387,34 @@ impl Db {
         }
     }
 
-    async fn report(&self) -> Result<Report, Error> {
-        Ok(match self {
-            #[cfg(feature = "postgres")]
-            Db::Postgres(s) => Report::read(s, s.pool()).await?,
-            Db::Sqlite(s) => Report::read(s, s.pool()).await?,
-        })
+    /// The consumers' report; with the producer's database, the created parcels in it.
+    async fn report(&self, parcels: Option<&Db>) -> Result<Report, Error> {
+        let report = with_store!(self, s => Report::read(s, s.pool()).await?);
+        let Some(parcels) = parcels else {
+            return Ok(report);
+        };
+        let created = with_store!(parcels, s => ids(s.pool(), "SELECT id FROM parcels").await?);
+        let complete = with_store!(self, s => ids(s.pool(), domain::COMPLETE_PARCEL_IDS).await?);
+        Ok(report.with_parcels(&created, &complete))
     }
+
+    /// Outbox rows not published yet.
+    async fn outbox_pending(&self) -> Result<u64, Error> {
+        let stats = with_store!(self, s => s.outbox_stats().await?);
+        Ok(stats.iter().map(|s| s.pending).sum())
+    }
+}
+
+/// The first column of `sql`'s rows.
+async fn ids<'e, E>(executor: E, sql: &'static str) -> Result<HashSet<String>, sqlx::Error>
+where
+    E: sqlx::Executor<'e>,
+    String: sqlx::Type<E::Database> + for<'r> sqlx::Decode<'r, E::Database>,
+    usize: sqlx::ColumnIndex<<E::Database as sqlx::Database>::Row>,
+    for<'q> <E::Database as sqlx::Database>::Arguments<'q>: sqlx::IntoArguments<'q, E::Database>,
+{
+    let ids: Vec<String> = sqlx::query_scalar(sql).fetch_all(executor).await?;
+    Ok(ids.into_iter().collect())
 }
 
 fn consumer_names(which: Which) -> Vec<&'static str> {
@@ -445,27 +571,77 @@ async fn consume(args: ConsumeArgs) -> Result<ExitCode, Error> {
 
 async fn publish(args: PublishArgs) -> Result<ExitCode, Error> {
     let transport = transport(args.transport)?;
-    // Queues (or groups) first, so that nothing published before the consumers start is lost.
-    for name in consumer_names(Which::Both) {
-        let subscription =
-            inbox::transport::Subscription::new(args.source.clone(), ConsumerName::new(name)?, 1);
-        transport.declare(&subscription).await?;
-    }
+    declare_topology(&*transport, &args.source).await?;
     let published =
         domain::publish_events(&*transport, &args.source, args.count, args.duplicates, 7).await?;
     println!("published {} messages ({} events)", published, args.count);
     Ok(ExitCode::SUCCESS)
 }
 
+/// Declares the consumers' queues (or groups) on `source`, so that nothing published before the
+/// consumers start is lost.
+async fn declare_topology(transport: &dyn Transport, source: &str) -> Result<(), Error> {
+    for name in consumer_names(Which::Both) {
+        let subscription =
+            inbox::transport::Subscription::new(source.to_owned(), ConsumerName::new(name)?, 1);
+        transport.declare(&subscription).await?;
+    }
+    Ok(())
+}
+
+async fn produce(args: ProduceArgs) -> Result<ExitCode, Error> {
+    let db = Db::open(&args.database).await?;
+    let n = with_store!(db, s => producer::produce(Outbox::new(s), &args.source, args.count, args.rate).await?);
+    println!("produced {n} parcels");
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
+    let db = Db::open(&args.database).await?;
+    let token = CancellationToken::new();
+    tokio::spawn(shutdown_signal(token.clone()));
+    with_store!(db, s => producer::serve(s, args.source, args.addr, token).await?);
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn relay(args: RelayArgs) -> Result<ExitCode, Error> {
+    let transport = transport(args.transport)?;
+    let db = Db::open(&args.database).await?;
+    let token = CancellationToken::new();
+    tokio::spawn(shutdown_signal(token.clone()));
+    declare_topology(&*transport, &args.source).await?;
+    let transport: Arc<dyn Transport> = if args.stall_after_publish > 0.0 {
+        let seed = u64::from(uuid::Uuid::new_v4().as_fields().0);
+        Arc::new(producer::StallAfterPublish::new(
+            transport,
+            args.stall_after_publish,
+            seed,
+            true,
+        ))
+    } else {
+        transport
+    };
+    with_store!(db, s => producer::relay(s, transport, args.lease, token).await?);
+    Ok(ExitCode::SUCCESS)
+}
+
 async fn report(args: ReportArgs) -> Result<ExitCode, Error> {
     let db = Db::open(&args.database).await?;
-    let report = db.report().await?;
+    let parcels = match &args.parcels_database {
+        Some(url) => Db::open(url).await?,
+        None => db.clone(),
+    };
+    let report = db.report(Some(&parcels)).await?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print!("{}", report.table());
     }
-    let ok = report.consistent() && args.expect.is_none_or(|n| report.parcels_complete == n);
+    let ok = report.consistent()
+        && args.expect.is_none_or(|n| {
+            report.parcels_complete == n
+                && (report.parcels_created == 0 || report.parcels_created == n)
+        });
     Ok(if ok {
         ExitCode::SUCCESS
     } else {
@@ -473,7 +649,8 @@ async fn report(args: ReportArgs) -> Result<ExitCode, Error> {
     })
 }
 
-/// Everything in process: publish with faults, consume with two consumers, print the table.
+/// Everything in process: parcels created through the outbox, a relay that crashes mid-batch
+/// publishing them to a broker with faults, two consumers; then the table.
 async fn demo(args: DemoArgs) -> Result<ExitCode, Error> {
     let url = args.database.clone().unwrap_or_else(|| {
         let file = std::env::temp_dir().join(format!(
@@ -493,21 +670,14 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, Error> {
         broker.declare_group(source, name);
     }
     println!(
-        "parcel-tracker demo: in-memory broker (seed {}: 5% duplicate publishes, 5% lost acks, \
-         5% concurrent copies, 20% reordered), database {}",
+        "parcel-tracker demo: parcels written with their events through the outbox; a relay that \
+         crashes mid-batch; in-memory broker (seed {}: 5% duplicate publishes, 5% lost acks, \
+         5% concurrent copies, 20% reordered); database {}",
         args.seed,
         redact(&url)
     );
-    let producer_duplicates = 0.1;
-    let published = domain::publish_events(
-        &broker,
-        source,
-        args.parcels,
-        producer_duplicates,
-        args.seed,
-    )
-    .await?;
-    // Two poison messages: one without an id, one whose payload is not an event.
+    // Two poison messages, published straight to the broker: one without an id, one whose
+    // payload is not an event.
     broker
         .publish(
             source,
@@ -530,9 +700,9 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, Error> {
         ProgressStyle::with_template("{spinner} handled {pos}/{len} effects {wide_bar} {elapsed}")
             .expect("a valid template"),
     );
+    let transport: Arc<dyn Transport> = Arc::new(broker.clone());
     let running = {
-        let (broker, token) = (broker.clone(), token.clone());
-        let transport: Arc<dyn Transport> = Arc::new(broker);
+        let (db, transport, token) = (db.clone(), Arc::clone(&transport), token.clone());
         tokio::spawn(async move {
             let shape = Shape {
                 concurrency: 4,
@@ -543,8 +713,23 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, Error> {
                 .await
         })
     };
-    let reporter = Db::open(&url).await?;
+    let relayed = Arc::new(AtomicU64::new(0));
+    let (relay, created) = with_store!(db.clone(), s => {
+        // One outbox for the producer and the relay: each commit wakes the relay at once.
+        let outbox = Outbox::new(s).signal_other_processes(false);
+        let relay = tokio::spawn(producer::crashing_relay(
+            outbox.clone(),
+            Arc::clone(&transport),
+            args.seed,
+            Arc::clone(&relayed),
+            token.clone(),
+        ));
+        (relay, producer::produce(outbox, source, args.parcels, None).await?)
+    });
     loop {
+        // Nothing pending in the outbox first, then the broker settled: every row is published
+        // before it is marked, so what the relay published is in the broker by then.
+        let pending = db.outbox_pending().await?;
         let settled = broker
             .wait_settled(
                 source,
@@ -552,32 +737,38 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, Error> {
                 Duration::from_millis(200),
             )
             .await;
-        let report = reporter.report().await?;
+        let report = db.report(None).await?;
         progress.set_position(report.notifications + report.bookings);
-        if settled.is_ok() {
-            break;
-        }
-        if running.is_finished() {
+        if (pending == 0 && settled.is_ok()) || running.is_finished() || relay.is_finished() {
             break;
         }
     }
     progress.finish_and_clear();
     token.cancel();
     let consumers = running.await??;
-    let report = reporter.report().await?;
+    let crashes = relay.await??;
+    let report = db.report(Some(&db)).await?;
     let stats = broker.stats();
+    let relayed = relayed.load(Ordering::SeqCst);
 
     println!();
     println!(
-        "published             {:>6} messages: {} parcels, {} sent twice by the producer, {} duplicated by the broker, 2 poison",
-        stats.published,
-        args.parcels,
-        published - args.parcels as u64,
-        stats.injected_duplicates
+        "parcels created       {:>6}, each with its event in the outbox, in one transaction",
+        created
     );
     println!(
-        "broker                {:>6} deliveries, {} lost acks, {} concurrent copies",
-        stats.deliveries, stats.injected_lost_acks, stats.injected_concurrent_copies
+        "published by relay    {:>6} events: {} again after {} relay crashes mid-batch",
+        relayed,
+        relayed.saturating_sub(created),
+        crashes
+    );
+    println!(
+        "broker                {:>6} messages stored ({} duplicated by the broker, 2 poison), {} deliveries, {} lost acks, {} concurrent copies",
+        stats.published,
+        stats.injected_duplicates,
+        stats.deliveries,
+        stats.injected_lost_acks,
+        stats.injected_concurrent_copies
     );
     println!();
     print!("{:<22}", "");
@@ -608,10 +799,13 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, Error> {
     }
     println!();
     println!();
-    let ok = report.consistent() && report.parcels_complete == args.parcels as u64;
+    let ok = report.consistent()
+        && report.parcels_created == args.parcels as u64
+        && report.created_parcels_complete == args.parcels as u64
+        && report.parcels_complete == args.parcels as u64;
     println!(
-        "parcels with exactly one notification and one booking: {} of {} — {}",
-        report.parcels_complete,
+        "parcels created with exactly one notification and one booking: {} of {} — {}",
+        report.created_parcels_complete,
         args.parcels,
         if ok { "OK" } else { "FAILED" }
     );

@@ -191,6 +191,17 @@ impl From<sqlx::Error> for HandlerError {
     }
 }
 
+/// Classified as the stores classify their own errors: a lost connection or a server going away
+/// is [`Unavailable`](StoreError::Unavailable), a deadlock or serialization failure a
+/// [`Conflict`](StoreError::Conflict), anything else permanent. For an application's own
+/// statements in a transaction it also hands to the outbox or the inbox.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+impl From<sqlx::Error> for StoreError {
+    fn from(error: sqlx::Error) -> Self {
+        crate::store::store_error(error)
+    }
+}
+
 /// Why [`Consumer::run`](crate::Consumer::run) stopped with an error instead of draining cleanly.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -279,14 +279,7 @@ async fn outbox<S: OutboxStore>(store: &S, command: OutboxCommand) -> Result<(),
                     "id", "destination", "message id", "key", "attempts"
                 );
                 for d in &dead {
-                    let error: String = d
-                        .last_error
-                        .as_deref()
-                        .unwrap_or("-")
-                        .chars()
-                        .map(|c| if c.is_control() { ' ' } else { c })
-                        .take(120)
-                        .collect();
+                    let error = one_line(d.last_error.as_deref().unwrap_or("-"));
                     println!(
                         "{:>10}  {:<24}  {:<38}  {:<16}  {:>8}  {}",
                         d.id,
@@ -381,13 +374,7 @@ fn print_dead(dead: &[DeadLetter]) {
         "id", "consumer", "attempts", "dead for"
     );
     for d in dead {
-        let error = d.last_error.as_deref().unwrap_or("-");
-        // One line per letter, however long the error.
-        let error: String = error
-            .chars()
-            .map(|c| if c.is_control() { ' ' } else { c })
-            .take(120)
-            .collect();
+        let error = one_line(d.last_error.as_deref().unwrap_or("-"));
         println!(
             "{:<id_width$}  {:<consumer_width$}  {:>8}  {:>10}  {}",
             d.message_id,
@@ -410,6 +397,14 @@ fn dead_json(dead: &[DeadLetter]) -> serde_json::Value {
                 "dead_for_seconds": d.age.as_secs_f64(),
             })
         })
+        .collect()
+}
+
+/// An error text on one line of at most 120 characters, however long it is and whatever it holds.
+fn one_line(text: &str) -> String {
+    text.chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .take(120)
         .collect()
 }
 

@@ -122,21 +122,29 @@ pub fn spawn_consume(
     env: &[(&str, String)],
     log: &str,
 ) -> Child {
+    let mut args = vec![
+        "consume",
+        "--transport",
+        transport,
+        "--database",
+        database,
+        "--source",
+        source,
+    ];
+    args.extend_from_slice(extra);
+    spawn(&args, env, log)
+}
+
+/// Starts `parcel_tracker` with `args`, `env` and `RUST_LOG=log`; stdout and stderr piped,
+/// killed when dropped.
+pub fn spawn(args: &[&str], env: &[(&str, String)], log: &str) -> Child {
     let demo = binary();
     Command::new(&demo)
-        .args([
-            "consume",
-            "--transport",
-            transport,
-            "--database",
-            database,
-            "--source",
-            source,
-        ])
-        .args(extra)
+        .args(args)
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .env("RUST_LOG", log)
         .env("NO_COLOR", "1")
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
@@ -167,4 +175,78 @@ pub async fn report(database: &str) -> serde_json::Value {
             String::from_utf8_lossy(&output.stderr)
         )
     })
+}
+
+/// An HTTP/1.1 answer: status, headers (names in lowercase) and body.
+#[derive(Debug)]
+pub struct HttpAnswer {
+    /// The status code.
+    pub status: u16,
+    /// Header names in lowercase, with their values.
+    pub headers: Vec<(String, String)>,
+    /// The body, as text.
+    pub body: String,
+}
+
+impl HttpAnswer {
+    /// A header's value.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// One request on a connection of its own (`Connection: close`), enough for the demo's API and
+/// free of an HTTP client crate.
+pub async fn http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> HttpAnswer {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+    let mut request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    request.push_str("\r\n");
+    request.push_str(body);
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    tokio::time::timeout(DEADLINE, stream.read_to_end(&mut raw))
+        .await
+        .expect("an answer in time")
+        .unwrap();
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = raw.split_once("\r\n\r\n").expect("a complete HTTP answer");
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("a status line: {head}"));
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect::<Vec<_>>();
+    assert!(
+        !headers
+            .iter()
+            .any(|(n, v)| n == "transfer-encoding" && v.contains("chunked")),
+        "a chunked answer: {head}"
+    );
+    HttpAnswer {
+        status,
+        headers,
+        body: body.to_owned(),
+    }
 }

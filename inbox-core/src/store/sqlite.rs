@@ -370,15 +370,24 @@ impl InboxStore for SqliteStore {
 #[async_trait]
 impl InboxAdmin for SqliteStore {
     async fn migrate(&self) -> Result<(), StoreError> {
+        use sqlx::Connection as _;
         let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        // Under the database's write lock from the first read: processes migrating one new file
+        // at once would otherwise each find a migration pending, and all but one fail applying
+        // it. Each migration runs in a savepoint of this transaction.
+        let mut locked = conn
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(store_error)?;
         super::migrate::apply!(
-            &mut *conn,
+            &mut *locked,
             &inbox_migrations::SQLITE,
             create = "CREATE TABLE IF NOT EXISTS inbox_schema_migrations (
                 version INTEGER PRIMARY KEY, description TEXT NOT NULL,
                 checksum BLOB NOT NULL, applied_at TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')))",
             insert = "INSERT INTO inbox_schema_migrations (version, description, checksum) VALUES ($1, $2, $3)"
-        )
+        )?;
+        locked.commit().await.map_err(store_error)
     }
 
     async fn dead_letters(
