@@ -11,8 +11,9 @@
 //!
 //! And the outbox (issue 14), per transport:
 //!
-//! - the relay's rate (one relay, batches of 100) beside the broker's own rate of publishes with
-//!   confirms, 100 in flight, and beside a relay of one row at a time;
+//! - the relay's rate (one relay, its default batches: 500 rows, two in flight) beside the
+//!   broker's own rate of publishes with confirms, as many in flight, and beside a relay of one
+//!   row at a time;
 //! - the latency from a producer's commit to the broker's confirm at a steady rate
 //!   (`--outbox-rate`, 1,000 rows/s), with the relay woken by the commits and polling only;
 //! - the producer's own write rate (a parcel row per transaction, `--concurrency` writers) with
@@ -73,6 +74,15 @@ struct Args {
     /// `--messages` rows or 5 seconds).
     #[arg(long, default_value_t = 1000)]
     outbox_rate: u64,
+    /// Only the outbox's modes.
+    #[arg(long)]
+    outbox_only: bool,
+    /// The measured relay's batch size.
+    #[arg(long, default_value_t = 500)]
+    relay_batch: u32,
+    /// The measured relay's batches in flight (default: the relay's own default).
+    #[arg(long)]
+    relay_concurrency: Option<usize>,
     /// Only the per-message inbox mode on each chosen transport, no baselines: the run to put
     /// under a profiler (`perf record -g`).
     #[arg(long)]
@@ -632,8 +642,9 @@ async fn sink(target: &Target) -> Result<String, Error> {
     Ok(destination)
 }
 
-/// The broker alone: `n` publishes with confirms, 100 in flight (the relay's batch).
-async fn raw_publish(target: &Target, n: usize) -> Result<Measured, Error> {
+/// The broker alone: `n` publishes with confirms, as many in flight as the measured relay has
+/// (its batch times its batches in flight).
+async fn raw_publish(target: &Target, n: usize, in_flight: usize) -> Result<Measured, Error> {
     let destination = sink(target).await?;
     let started = Instant::now();
     let transport = &target.transport;
@@ -644,7 +655,7 @@ async fn raw_publish(target: &Target, n: usize) -> Result<Measured, Error> {
                 OutgoingMessage::new(format!("raw-{i}"), r#"{"parcel":1}"#).with_key(i.to_string());
             transport.publish(destination, message).await
         })
-        .buffer_unordered(100);
+        .buffer_unordered(in_flight.max(1));
     while let Some(published) = publishes.next().await {
         published?;
     }
@@ -676,34 +687,48 @@ async fn fill_outbox(
     Ok(())
 }
 
-/// One relay publishing `n` waiting rows, `batch` at a time: its rate from the first claim to
-/// the last mark.
+/// One relay publishing `n` waiting rows, `batch` at a time (with its default batches in flight;
+/// one at a time for the one-row relay, the naive baseline): its rate from the start to the
+/// last mark.
 async fn relay_rate(
     target: &Target,
     store: &PostgresStore,
+    args: &Args,
     n: usize,
     batch: u32,
 ) -> Result<Measured, Error> {
     let outbox = Outbox::new(store.clone()).signal_other_processes(false);
     let destination = sink(target).await?;
     fill_outbox(&outbox, &destination, n).await?;
-    let relay = outbox
+    let mut relay = outbox
         .relay(Arc::clone(&target.transport))
         .batch_size(batch);
+    if batch == 1 {
+        relay = relay.concurrency(1);
+    } else if let Some(batches) = args.relay_concurrency {
+        relay = relay.concurrency(batches);
+    }
+    *target.timed.confirms.lock().expect("not poisoned") = Some(HashMap::new());
     let started = Instant::now();
-    let mut published = 0;
-    while published < n {
-        let now = relay.run_once().await?;
-        if now == 0 {
-            return Err(format!("the relay stopped at {published} of {n} rows").into());
-        }
-        published += now;
+    let stop = CancellationToken::new();
+    let running = {
+        let stop = stop.clone();
+        tokio::spawn(async move { relay.run(stop).await })
+    };
+    wait_for_confirms(target, n).await?;
+    // The relay finishes its batches (their marks) before `run` returns.
+    stop.cancel();
+    let report = running.await??;
+    let seconds = started.elapsed().as_secs_f64().max(1e-3);
+    target.timed.confirms.lock().expect("not poisoned").take();
+    if report.published < n as u64 {
+        return Err(format!("the relay marked {} of {n} rows", report.published).into());
     }
     Ok(Measured {
         name: if batch == 1 {
             "relay, one row at a time"
         } else {
-            "relay, batches of 100"
+            "relay, batches"
         },
         mode: if batch == 1 {
             "outbox_relay_one_row"
@@ -711,10 +736,31 @@ async fn relay_rate(
             "outbox_relay"
         },
         messages: n,
-        seconds: started.elapsed().as_secs_f64().max(1e-3),
+        seconds,
         doubles: None,
         latencies: Vec::new(),
     })
+}
+
+/// Waits until `n` distinct messages were confirmed since confirms were switched on.
+async fn wait_for_confirms(target: &Target, n: usize) -> Result<(), Error> {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let count = target
+            .timed
+            .confirms
+            .lock()
+            .expect("not poisoned")
+            .as_ref()
+            .map_or(0, HashMap::len);
+        if count >= n {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!("{count} of {n} rows published after 5 min").into());
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
 }
 
 /// A producer committing one row per transaction at `--outbox-rate` while a relay runs: the
@@ -774,24 +820,14 @@ async fn outbox_latency(
     while let Some(done) = tasks.join_next().await {
         done??;
     }
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let confirms = loop {
-        let count = target
-            .timed
-            .confirms
-            .lock()
-            .expect("not poisoned")
-            .as_ref()
-            .map_or(0, HashMap::len);
-        if count >= n {
-            break target.timed.confirms.lock().expect("not poisoned").take();
-        }
-        if Instant::now() > deadline {
-            return Err(format!("{count} of {n} rows published after 2 min").into());
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    .unwrap_or_default();
+    wait_for_confirms(target, n).await?;
+    let confirms = target
+        .timed
+        .confirms
+        .lock()
+        .expect("not poisoned")
+        .take()
+        .unwrap_or_default();
     let seconds = started.elapsed().as_secs_f64();
     stop.cancel();
     running.await??;
@@ -853,6 +889,12 @@ async fn producer_writes(
     while let Some(written) = writes.next().await {
         written?;
     }
+    let seconds = started.elapsed().as_secs_f64().max(1e-3);
+    // Nobody publishes these: gone, so that the next relay measured does not find them.
+    sqlx::query("DELETE FROM outbox_messages WHERE destination = $1")
+        .bind(destination)
+        .execute(store.pool())
+        .await?;
     Ok(Measured {
         name: if with_outbox {
             "producer, with outbox row"
@@ -865,7 +907,7 @@ async fn producer_writes(
             "producer_no_outbox"
         },
         messages: n,
-        seconds: started.elapsed().as_secs_f64().max(1e-3),
+        seconds,
         doubles: None,
         latencies: Vec::new(),
     })
@@ -878,9 +920,10 @@ async fn outbox_modes(
     args: &Args,
 ) -> Result<Vec<serde_json::Value>, Error> {
     let n = args.messages;
-    let raw = raw_publish(target, n).await?;
-    let relay = relay_rate(target, store, n, 100).await?;
-    let one_row = relay_rate(target, store, (n / 10).max(10), 1).await?;
+    let in_flight = args.relay_batch as usize * args.relay_concurrency.unwrap_or(2);
+    let raw = raw_publish(target, n, in_flight).await?;
+    let relay = relay_rate(target, store, args, n, args.relay_batch).await?;
+    let one_row = relay_rate(target, store, args, (n / 10).max(10), 1).await?;
     let woken = outbox_latency(target, store, args, true).await?;
     let polling = outbox_latency(target, store, args, false).await?;
     let plain = producer_writes(store, args, false).await?;
@@ -1086,6 +1129,13 @@ async fn soak(total: u64, args: &Args, store: &PostgresStore) -> Result<(), Erro
 
 fn main() -> Result<(), Error> {
     let args = Args::parse();
+    // Warnings (an outage, a relay's failed publishes) on stderr; RUST_LOG for more.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
@@ -1156,6 +1206,12 @@ async fn bench(args: Args) -> Result<(), Error> {
                 m.percentile(50.0),
                 m.percentile(99.0)
             );
+        }
+        return write_json(&args, rows, peak_rss_mib());
+    }
+    if args.outbox_only {
+        for target in targets(args.transport)? {
+            rows.extend(outbox_modes(&target, &store, &args).await?);
         }
         return write_json(&args, rows, peak_rss_mib());
     }

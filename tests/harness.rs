@@ -233,6 +233,15 @@ impl ConsumerProcess {
         outcomes: &Arc<Outcomes>,
     ) -> Self {
         let stall = stall_after_publish.to_string();
+        let mut env = broker.env.clone();
+        if broker.name == "kafka" {
+            // One record per Kafka batch: tansu 0.6 never delivers the rest of a batch to a
+            // group that resumes inside it (scripts/repro/tansu-mid-batch shows it with a plain
+            // confluent-kafka consumer), and the relay's pipelined publishes fill batches, so a
+            // consumer killed mid-batch lost records there (7 of 2,000, 2 runs of 3). Apache
+            // Kafka returns the whole batch and the client skips to the offset.
+            env.push(("KAFKA_CONFIG", "batch.num.messages=1".to_owned()));
+        }
         let child = conformance::demo::spawn(
             &[
                 "relay",
@@ -247,7 +256,7 @@ impl ConsumerProcess {
                 "--stall-after-publish",
                 &stall,
             ],
-            &broker.env,
+            &env,
             "warn",
         );
         Self::watch(child, outcomes)
@@ -645,33 +654,11 @@ async fn outbox_kill_nine(broker: Broker) {
     let mut consumer = Some(consume(&tally.outcomes));
     let mut pool: Option<sqlx::PgPool> = None;
     for k in 0..plan.kills {
-        let end = ((k + 1) * chunk).min(plan.events);
-        let count = (end - k * chunk).to_string();
-        let produce = conformance::demo::spawn(
-            &[
-                "produce",
-                "--database",
-                &database,
-                "--count",
-                &count,
-                "--source",
-                &broker.source,
-            ],
-            &[],
-            "warn",
-        );
+        let count = ((k + 1) * chunk).min(plan.events) - k * chunk;
+        let produce = spawn_produce(&database, count, &broker.source);
         let stall = if k % 2 == 0 { 0.05 } else { 0.0 };
         let relay = ConsumerProcess::relay(&broker, &database, stall, &tally.outcomes);
-        let output = produce.wait_with_output().await.expect("produce ran");
-        assert!(
-            output.status.success(),
-            "produce: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        assert_eq!(
-            String::from_utf8_lossy(&output.stdout).trim(),
-            format!("produced {count} parcels")
-        );
+        produced(produce, count).await;
         let pool = match &pool {
             Some(pool) => pool,
             None => pool.insert(
@@ -744,6 +731,95 @@ async fn outbox_kill_nine(broker: Broker) {
         duplicates > 0,
         "the consumers discarded no copy: the relays published nothing twice"
     );
+}
+
+/// `parcel_tracker produce` of `count` parcels on `database`, to its end.
+async fn produce(database: &str, count: usize, source: &str) {
+    produced(spawn_produce(database, count, source), count).await;
+}
+
+/// `parcel_tracker produce` of `count` parcels on `database`, started.
+fn spawn_produce(database: &str, count: usize, source: &str) -> tokio::process::Child {
+    conformance::demo::spawn(
+        &[
+            "produce",
+            "--database",
+            database,
+            "--count",
+            &count.to_string(),
+            "--source",
+            source,
+        ],
+        &[],
+        "warn",
+    )
+}
+
+/// Waits for a `produce` of `count` parcels to end well.
+async fn produced(child: tokio::process::Child, count: usize) {
+    let output = child.wait_with_output().await.expect("produce ran");
+    assert!(
+        output.status.success(),
+        "produce: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout).trim(),
+        format!("produced {count} parcels")
+    );
+}
+
+/// PostgreSQL restarted while a relay publishes the outbox's rows and the consumers (on the same
+/// server) handle them: both pause and probe, the relay's wake-ups come back, the rows written
+/// before and after the restart are published and handled once each, and relay and consumers
+/// exit 0 on SIGTERM afterwards.
+async fn outbox_postgres_restart(broker: Broker) {
+    let events = plan().events;
+    let database = conformance::stores::Postgres::fresh_url().await;
+    let mut tally = Tally {
+        messages: events as u64,
+        events: events as u64,
+        database_restarts: 1,
+        ..Tally::default()
+    };
+    let consumer = ConsumerProcess::start(
+        broker.name,
+        &database,
+        &broker.source,
+        0.0,
+        &broker.env,
+        &tally.outcomes,
+    );
+    let relay = ConsumerProcess::relay(&broker, &database, 0.0, &tally.outcomes);
+    produce(&database, events / 2, &broker.source).await;
+    eventually("the relay and the consumers at work", || async {
+        let n = tally.outcomes.processed.load(Ordering::SeqCst);
+        if n >= 200 {
+            Ok(())
+        } else {
+            Err(format!("{n} processed"))
+        }
+    })
+    .await;
+    let down = Instant::now();
+    restart_postgres().await;
+    let outage = down.elapsed();
+    produce(&database, events - events / 2, &broker.source).await;
+    settle_and_count(&database, tally.events, &mut tally).await;
+    eventually_drained(&broker).await;
+    relay.stop(&tally.outcomes).await;
+    consumer.stop(&tally.outcomes).await;
+    broker.assert_drained().await;
+    let report = conformance::demo::report(&database).await;
+    println!(
+        "{}",
+        tally.line(&format!("{} outbox database restart", broker.name))
+    );
+    assert_eq!(report["parcels_created"], events, "{report}");
+    assert_eq!(report["created_parcels_complete"], events, "{report}");
+    assert_clean(&tally);
+    // Two processes, each logging its own outage.
+    assert_no_log_storm(&tally.outcomes, outage, 2);
 }
 
 /// A fault in the middle of the stream: publish half, let the consumer work, `fault`, publish
@@ -909,6 +985,11 @@ mod rabbitmq {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn rabbitmq_outbox_postgres_restart() {
+        outbox_postgres_restart(broker()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn rabbitmq_broker_restart() {
         fault_mid_stream(broker(), Restart::Broker, || async {
             let down = Instant::now();
@@ -1037,6 +1118,11 @@ mod kafka {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn kafka_outbox_kill_nine() {
         outbox_kill_nine(broker()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn kafka_outbox_postgres_restart() {
+        outbox_postgres_restart(broker()).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -42,11 +42,13 @@ ON CONFLICT (destination, message_id) DO NOTHING
 RETURNING id";
 
 /// Pending, due, not leased, and the first pending row of its key (a dead or failing head holds
-/// its key back). SKIP LOCKED: two relays claiming at once take different rows.
+/// its key back). SKIP LOCKED: two relays claiming at once take different rows. The ids are
+/// picked first (`= ANY (ARRAY(…))`, evaluated once) so the update finds them by primary key: as
+/// a join, the planner hashed the whole table on every claim.
 const CLAIM: &str = "\
 UPDATE outbox_messages AS o
 SET lease_token = $1::uuid, lease_until = clock_timestamp() + $2 * interval '1 millisecond'
-FROM (
+WHERE o.id = ANY (ARRAY(
   SELECT c.id FROM outbox_messages c
   WHERE c.published_at IS NULL AND c.dead_at IS NULL
     AND c.available_at <= clock_timestamp()
@@ -57,9 +59,7 @@ FROM (
         AND e.published_at IS NULL AND e.id < c.id))
   ORDER BY c.id
   LIMIT $3
-  FOR UPDATE SKIP LOCKED
-) AS picked
-WHERE o.id = picked.id
+  FOR UPDATE SKIP LOCKED))
 RETURNING o.id, o.destination, o.message_id, o.ordering_key, o.payload, o.headers::text,
   o.attempts, o.no_routes, EXTRACT(EPOCH FROM clock_timestamp() - o.created_at)::float8";
 

@@ -34,6 +34,17 @@ impl RelayError {
     }
 }
 
+impl RelayReport {
+    fn add(&mut self, other: &RelayReport) {
+        self.batches += other.batches;
+        self.published += other.published;
+        self.failed += other.failed;
+        self.dead += other.dead;
+        self.fenced += other.fenced;
+        self.cleaned += other.cleaned;
+    }
+}
+
 /// What a relay did, returned by [`Relay::run`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -71,6 +82,7 @@ pub struct Relay<S> {
     min_delay: Duration,
     max_delay: Duration,
     max_no_route_attempts: u32,
+    concurrency: usize,
 }
 
 impl<S> std::fmt::Debug for Relay<S> {
@@ -90,7 +102,7 @@ impl<S: OutboxStore> Relay<S> {
         Self {
             outbox,
             transport,
-            batch_size: 100,
+            batch_size: 500,
             lease: Duration::from_secs(5),
             poll_interval: Duration::from_secs(1),
             retention: Duration::ZERO,
@@ -99,10 +111,13 @@ impl<S: OutboxStore> Relay<S> {
             min_delay: Duration::from_millis(100),
             max_delay: Duration::from_secs(30),
             max_no_route_attempts: 100,
+            concurrency: 2,
         }
     }
 
-    /// Rows claimed and published per batch (default 100, at least 1).
+    /// Rows claimed and published per batch (default 500, at least 1). Large batches amortise
+    /// the claim's and the mark's statements: on this project's bench, 500 rows (two batches in
+    /// flight) kept up with the broker's own publish rate where 100 reached about half of it.
     pub fn batch_size(mut self, rows: u32) -> Self {
         self.batch_size = rows.max(1);
         self
@@ -150,12 +165,59 @@ impl<S: OutboxStore> Relay<S> {
         self
     }
 
-    /// Runs until `stop` is cancelled, then finishes the batch in flight (publishes and marks
-    /// it) and returns. Transient errors are retried with backoff; a permanent store error ends
+    /// Batches in flight at once (default 2, at least 1): while one batch's publishes wait for
+    /// the broker's confirms, another is claimed or marked, so the database's round trips and the
+    /// broker's overlap. Order is kept all the same: a key's next row is not claimed while an
+    /// earlier one is pending, whichever batch holds it.
+    pub fn concurrency(mut self, batches: usize) -> Self {
+        self.concurrency = batches.max(1);
+        self
+    }
+
+    /// Runs until `stop` is cancelled, then finishes the batches in flight (publishes and marks
+    /// them) and returns. Transient errors are retried with backoff; a permanent store error ends
     /// the run.
     pub async fn run(&self, stop: CancellationToken) -> Result<RelayReport, RelayError> {
+        // A permanent error in one worker stops the others.
+        let failed = stop.child_token();
+        let workers = (0..self.concurrency).map(|worker| {
+            let failed = failed.clone();
+            async move {
+                let result = self.work(worker, &failed).await;
+                if result.is_err() {
+                    failed.cancel();
+                }
+                result
+            }
+        });
+        let mut total = RelayReport::default();
+        let mut error = None;
+        for result in futures::future::join_all(workers).await {
+            match result {
+                Ok(report) => total.add(&report),
+                Err(e) => error = error.or(Some(e)),
+            }
+        }
+        match error {
+            Some(e) => Err(e),
+            None => Ok(total),
+        }
+    }
+
+    /// One worker's loop: claim, publish, mark, until `stop`. Worker 0 also listens for other
+    /// processes' wake-ups (one listening connection per relay), samples the gauges and runs the
+    /// retention cleanup.
+    async fn work(
+        &self,
+        worker: usize,
+        stop: &CancellationToken,
+    ) -> Result<RelayReport, RelayError> {
         let mut report = RelayReport::default();
-        let mut signals = self.signals().await;
+        let mut signals = if worker == 0 {
+            self.signals().await
+        } else {
+            None
+        };
         let mut idle = FIRST_IDLE_POLL;
         let mut failures = 0u32;
         let mut next_cleanup = Instant::now();
@@ -179,14 +241,20 @@ impl<S: OutboxStore> Relay<S> {
                 Ok(Batch::AllFailed) => {
                     // The broker is down, most likely: pause instead of claiming the next rows.
                     failures += 1;
-                    self.pause(failures, &stop).await;
+                    self.pause(failures, stop).await;
                 }
                 Err(e) if e.is_transient() => {
                     failures += 1;
-                    tracing::warn!(error = %error_chain(&e), "outbox relay: store unavailable; retrying");
-                    self.pause(failures, &stop).await;
+                    // One line per outage and relay, not one per worker.
+                    if worker == 0 {
+                        tracing::warn!(error = %error_chain(&e), "outbox relay: store unavailable; retrying");
+                    }
+                    self.pause(failures, stop).await;
                 }
                 Err(e) => return Err(RelayError::Store(e)),
+            }
+            if worker > 0 {
+                continue;
             }
             if Instant::now() >= next_stats {
                 next_stats = Instant::now() + self.stats_interval;
