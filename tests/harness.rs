@@ -611,6 +611,19 @@ async fn kill_nine(broker: Broker) {
     );
 }
 
+/// Waits until the consumers processed 200 messages: mid-stream, not still starting.
+async fn at_work(outcomes: &Outcomes, what: &str) {
+    eventually(what, || async {
+        let n = outcomes.processed.load(Ordering::SeqCst);
+        if n >= 200 {
+            Ok(())
+        } else {
+            Err(format!("{n} processed"))
+        }
+    })
+    .await;
+}
+
 /// Waits until the running consumers have settled everything.
 async fn eventually_drained(broker: &Broker) {
     eventually("the broker drained", || async {
@@ -792,15 +805,7 @@ async fn outbox_postgres_restart(broker: Broker) {
     );
     let relay = ConsumerProcess::relay(&broker, &database, 0.0, &tally.outcomes);
     produce(&database, events / 2, &broker.source).await;
-    eventually("the relay and the consumers at work", || async {
-        let n = tally.outcomes.processed.load(Ordering::SeqCst);
-        if n >= 200 {
-            Ok(())
-        } else {
-            Err(format!("{n} processed"))
-        }
-    })
-    .await;
+    at_work(&tally.outcomes, "the relay and the consumers at work").await;
     let down = Instant::now();
     restart_postgres().await;
     let outage = down.elapsed();
@@ -856,15 +861,7 @@ where
         &broker.env,
         &tally.outcomes,
     );
-    eventually("the consumer at work", || async {
-        let n = tally.outcomes.processed.load(Ordering::SeqCst);
-        if n >= 200 {
-            Ok(())
-        } else {
-            Err(format!("{n} processed"))
-        }
-    })
-    .await;
+    at_work(&tally.outcomes, "the consumer at work").await;
     let outage = fault().await;
     tally.messages += publish(&*broker.transport, &broker.source, &run, events / 2..events).await;
     settle_and_count(&database, tally.events, &mut tally).await;
