@@ -453,8 +453,12 @@ pub async fn crashing_relay<S: ParcelStore>(
             StallAfterPublish::new(Arc::clone(&broker), 0.01, seed ^ incarnation, false)
                 .counting_into(Arc::clone(&published));
         let stalled = Arc::clone(&transport.stalled);
+        // Small batches, one at a time: a stall aborts everything in flight, so with the
+        // defaults (500 rows, two batches) almost no batch would get through a 1 % stall.
         let relay = outbox
             .relay(Arc::new(transport))
+            .batch_size(100)
+            .concurrency(1)
             .lease(Duration::from_millis(300));
         let relay_stop = stop.child_token();
         let mut running = {

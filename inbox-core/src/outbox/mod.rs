@@ -328,8 +328,7 @@ impl<S: OutboxStore> Outbox<S> {
     /// commit was not made by [`commit`](Self::commit) or by a consumer given
     /// [`after_commit`](Self::after_commit). Cheap, and coalesced.
     pub fn wake(&self) {
-        self.shared.local.notify_waiters();
-        self.shared.local.notify_one();
+        self.wake_local();
         if self.shared.signal_other_processes {
             let sender = self.shared.remote.get_or_init(|| self.spawn_signaller());
             // Full: a signal is already on its way, and it will cover this commit too.
@@ -351,6 +350,12 @@ impl<S: OutboxStore> Outbox<S> {
     /// A relay publishing this outbox's rows through `transport`.
     pub fn relay(&self, transport: Arc<dyn Transport>) -> Relay<S> {
         Relay::new(self.clone(), transport)
+    }
+
+    /// Wakes this process's relays only (no signal to other processes).
+    pub(crate) fn wake_local(&self) {
+        self.shared.local.notify_waiters();
+        self.shared.local.notify_one();
     }
 
     pub(crate) async fn woken(&self) {

@@ -67,9 +67,9 @@ pub struct RelayReport {
 /// Publishes the outbox's committed rows through a [`Transport`]; see the [module](super) docs.
 ///
 /// Any number of relays may run at once, in one process or many, without a leader: each batch is
-/// claimed under a lease with a token of its own, and only the holder of a live lease can mark its
-/// rows. A relay killed or stalled mid-batch loses its rows to another relay once the lease
-/// lapses (5 s by default).
+/// claimed under a lease with a token of its own, and a batch whose rows another relay has taken can
+/// no longer mark them or record failures on them (fencing by the token). A relay killed or stalled
+/// mid-batch loses its rows to another relay once the lease lapses (5 s by default).
 pub struct Relay<S> {
     outbox: Outbox<S>,
     transport: Arc<dyn Transport>,
@@ -83,6 +83,8 @@ pub struct Relay<S> {
     max_delay: Duration,
     max_no_route_attempts: u32,
     concurrency: usize,
+    /// Batches publish under the shared side; a publish retried alone under the exclusive one.
+    publishing: tokio::sync::RwLock<()>,
 }
 
 impl<S> std::fmt::Debug for Relay<S> {
@@ -112,6 +114,7 @@ impl<S: OutboxStore> Relay<S> {
             max_delay: Duration::from_secs(30),
             max_no_route_attempts: 100,
             concurrency: 2,
+            publishing: tokio::sync::RwLock::new(()),
         }
     }
 
@@ -230,13 +233,23 @@ impl<S: OutboxStore> Relay<S> {
                         biased;
                         () = stop.cancelled() => break,
                         () = self.outbox.woken() => idle = FIRST_IDLE_POLL,
-                        Some(()) = next_signal(&mut signals) => idle = FIRST_IDLE_POLL,
+                        Some(()) = next_signal(&mut signals) => {
+                            // Another process committed: this relay's other workers too.
+                            self.outbox.wake_local();
+                            idle = FIRST_IDLE_POLL;
+                        }
                         () = tokio::time::sleep(idle) => idle = (idle * 2).min(self.poll_interval),
                     }
                 }
                 Ok(Batch::Published) => {
                     failures = 0;
                     idle = FIRST_IDLE_POLL;
+                }
+                Ok(Batch::Full) => {
+                    // There is likely more: the idle workers too.
+                    failures = 0;
+                    idle = FIRST_IDLE_POLL;
+                    self.outbox.wake_local();
                 }
                 Ok(Batch::AllFailed) => {
                     // The broker is down, most likely: pause instead of claiming the next rows.
@@ -299,7 +312,9 @@ impl<S: OutboxStore> Relay<S> {
             rows = rows.len()
         );
         let started = Instant::now();
-        // Pipelined: every publish in flight at once, each bounded by the lease.
+        // Pipelined: every publish in flight at once, each bounded by the lease. Shared with the
+        // other workers' batches; a publish retried alone takes it exclusively.
+        let shared = self.publishing.read().await;
         let results = futures::future::join_all(rows.iter().map(|row| {
             let publish = self
                 .transport
@@ -315,6 +330,7 @@ impl<S: OutboxStore> Relay<S> {
         }))
         .instrument(span)
         .await;
+        drop(shared);
         let confirmed_after = started.elapsed();
         let mut published = Vec::new();
         let mut failed = Vec::new();
@@ -322,15 +338,24 @@ impl<S: OutboxStore> Relay<S> {
             let result = match result {
                 // Tried once more on its own before the row is dead: on a broker whose channel
                 // one refused message closes (RabbitMQ), every publish in flight on it fails
-                // with that refusal, the innocent ones too.
-                Err(e) if !e.is_transient() && rows.len() > 1 => {
-                    tracing::debug!(row = row.id, error = %e, "outbox publish refused in a batch; trying it alone");
-                    let alone = self
-                        .transport
-                        .publish(&row.destination, row.message.clone());
+                // with that refusal, the innocent ones too — this batch's and, with batches in
+                // flight at once, another worker's. Alone means alone in the relay: the retry
+                // waits until no other batch is publishing. One that cannot be tried before the
+                // lease ends is retried later, not dead.
+                Err(e) if !e.is_transient() => {
+                    tracing::debug!(row = row.id, error = %e, "outbox publish refused; trying it alone");
+                    let alone = async {
+                        let _alone = self.publishing.write().await;
+                        self.transport
+                            .publish(&row.destination, row.message.clone())
+                            .await
+                    };
                     match tokio::time::timeout_at(deadline, alone).await {
                         Ok(result) => result,
-                        Err(_) => Err(e),
+                        Err(_) => Err(TransportError::NotConfirmed(
+                            format!("refused ({e}), and not tried alone within the relay's lease")
+                                .into(),
+                        )),
                     }
                 }
                 other => other,
@@ -383,7 +408,11 @@ impl<S: OutboxStore> Relay<S> {
                 return Ok(Batch::AllFailed);
             }
         }
-        Ok(Batch::Published)
+        Ok(if rows.len() >= self.batch_size as usize {
+            Batch::Full
+        } else {
+            Batch::Published
+        })
     }
 
     /// Samples the per-destination gauges (one query; every 15 s while the relay runs).
@@ -453,6 +482,8 @@ impl<S: OutboxStore> Relay<S> {
 enum Batch {
     Empty,
     Published,
+    /// Published, and the claim was full: more rows may be waiting.
+    Full,
     AllFailed,
 }
 
