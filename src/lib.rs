@@ -15,6 +15,10 @@ pub use inbox_core::{
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use inbox_core::{PgTx, PostgresStore};
 
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub use inbox_core::{MySqlStore, MySqlTx};
+
 #[cfg(feature = "sqlite")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub use inbox_core::{SqliteStore, SqliteTx};
@@ -43,8 +47,11 @@ pub mod transport {
 /// For implementing or inspecting a store: besides [`InboxStore`], what a
 /// claim returns and what operators read.
 pub mod store {
-    #[cfg(any(feature = "postgres", feature = "sqlite"))]
-    #[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "sqlite"))))]
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    #[cfg_attr(
+        docsrs,
+        doc(cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite")))
+    )]
     pub use inbox_core::store::release_clean;
     pub use inbox_core::store::{Claim, ConsumerStats, DeadLetter, MAX_ERROR_CHARS};
 }

@@ -43,6 +43,8 @@ pub use id::{
 pub use message::{Headers, Message, OutgoingMessage};
 pub use replay::{Replay, ReplayError, ReplayReport, replay_dead_letters};
 pub use retry::RetryPolicy;
+#[cfg(feature = "mysql")]
+pub use store::mysql::{MySqlStore, MySqlTx};
 #[cfg(feature = "postgres")]
 pub use store::postgres::{PgTx, PostgresStore};
 #[cfg(feature = "sqlite")]

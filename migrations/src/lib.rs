@@ -12,6 +12,10 @@ use sqlx::migrate::Migrator;
 #[cfg(feature = "postgres")]
 pub static POSTGRES: Migrator = sqlx::migrate!("./postgres");
 
+/// The MySQL / MariaDB migrations (`mysql/`).
+#[cfg(feature = "mysql")]
+pub static MYSQL: Migrator = sqlx::migrate!("./mysql");
+
 /// The SQLite migrations (`sqlite/`).
 #[cfg(feature = "sqlite")]
 pub static SQLITE: Migrator = sqlx::migrate!("./sqlite");

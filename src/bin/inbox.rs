@@ -11,13 +11,15 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use inbox::dead_letter::Replay;
 use inbox::outbox::OutboxStore;
 use inbox::store::{ConsumerStats, DeadLetter};
-use inbox::{Cleanup, ConsumerName, InboxAdmin, MessageId, PostgresStore, SqliteStore, Transport};
+use inbox::{
+    Cleanup, ConsumerName, InboxAdmin, MessageId, MySqlStore, PostgresStore, SqliteStore, Transport,
+};
 
 /// Operate an inbox table: migrate it, see what it holds, clean it up, and replay dead letters.
 #[derive(Parser)]
 #[command(name = "inbox", version, propagate_version = true)]
 struct Cli {
-    /// The database holding the inbox table: `postgres://…` or `sqlite:…`.
+    /// The database holding the inbox table: `postgres://…`, `mysql://…` (or `mariadb://…`) or `sqlite:…`.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true, global = true)]
     database_url: Option<String>,
     #[command(subcommand)]
@@ -182,10 +184,12 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
         .ok_or("no database: set DATABASE_URL or pass --database-url")?;
     if url.starts_with("postgres:") || url.starts_with("postgresql:") {
         command(cli.command, PostgresStore::connect(&url, 4).await?).await
+    } else if url.starts_with("mysql:") || url.starts_with("mariadb:") {
+        command(cli.command, MySqlStore::connect(&url, 4).await?).await
     } else if url.starts_with("sqlite:") {
         command(cli.command, SqliteStore::connect(&url).await?).await
     } else {
-        Err("DATABASE_URL must start with postgres:// or sqlite:".into())
+        Err("DATABASE_URL must start with postgres://, mysql://, mariadb:// or sqlite:".into())
     }
 }
 

@@ -44,6 +44,17 @@ pub fn postgres_url() -> String {
     )
 }
 
+/// The MySQL / MariaDB URL for the tests.
+pub fn mysql_url() -> String {
+    static URL: OnceLock<String> = OnceLock::new();
+    locate(
+        &URL,
+        "MYSQL_URL",
+        "mysql://root@127.0.0.1:3306/test",
+        containers::mysql,
+    )
+}
+
 /// The AMQP URL for the tests.
 pub fn amqp_url() -> String {
     static URL: OnceLock<String> = OnceLock::new();
@@ -68,6 +79,7 @@ pub fn kafka_brokers() -> String {
 
 mod containers {
     use testcontainers_modules::kafka::apache::{KAFKA_PORT, Kafka};
+    use testcontainers_modules::mysql::Mysql;
     use testcontainers_modules::postgres::Postgres;
     use testcontainers_modules::rabbitmq::RabbitMq;
     use testcontainers_modules::testcontainers::Image;
@@ -90,6 +102,12 @@ mod containers {
     pub fn postgres() -> String {
         let port = start(Postgres::default(), "PostgreSQL", 5432);
         format!("postgres://postgres:postgres@127.0.0.1:{port}/postgres")
+    }
+
+    /// MySQL 8 (the module's image; root with no password).
+    pub fn mysql() -> String {
+        let port = start(Mysql::default(), "MySQL", 3306);
+        format!("mysql://root@127.0.0.1:{port}/test")
     }
 
     pub fn rabbitmq() -> String {

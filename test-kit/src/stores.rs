@@ -4,7 +4,10 @@
 use std::collections::HashMap;
 
 use async_trait::async_trait;
-use inbox::{ConsumerName, InboxAdmin, InboxStore, PgTx, PostgresStore, SqliteStore, SqliteTx};
+use inbox::{
+    ConsumerName, InboxAdmin, InboxStore, MySqlStore, MySqlTx, PgTx, PostgresStore, SqliteStore,
+    SqliteTx,
+};
 use sqlx::migrate::Migrator;
 use sqlx::{Connection, Executor};
 
@@ -60,6 +63,34 @@ pub trait TestDb: Send + Sync + Sized + 'static {
 const EFFECTS: &str = "CREATE TABLE IF NOT EXISTS conformance_effects (
     run TEXT NOT NULL, consumer TEXT NOT NULL, message_id TEXT NOT NULL)";
 
+/// The statements the test handler and the checks run, in a database's placeholder style.
+struct TestSql {
+    insert_effect: &'static str,
+    effects: &'static str,
+    row: &'static str,
+}
+
+const DOLLAR_SQL: TestSql = TestSql {
+    insert_effect: "INSERT INTO conformance_effects (run, consumer, message_id) VALUES ($1, $2, $3)",
+    effects: "SELECT consumer, message_id, count(*) FROM conformance_effects WHERE run = $1 GROUP BY 1, 2",
+    row: "SELECT processed_at IS NOT NULL, dead_lettered_at IS NOT NULL, CAST(attempts AS BIGINT), last_error
+          FROM inbox_messages WHERE consumer = $1 AND message_id = $2",
+};
+
+/// MySQL: `?` placeholders; texts in utf8mb4 with a collation sqlx reads as text (not `_bin`),
+/// ids compared as bytes.
+const MYSQL_EFFECTS: &str = "CREATE TABLE IF NOT EXISTS conformance_effects (
+    run VARCHAR(64) NOT NULL, consumer VARBINARY(255) NOT NULL, message_id VARBINARY(1024) NOT NULL)
+    CHARACTER SET utf8mb4 COLLATE utf8mb4_unicode_ci";
+
+const MYSQL_SQL: TestSql = TestSql {
+    insert_effect: "INSERT INTO conformance_effects (run, consumer, message_id) VALUES (?, ?, ?)",
+    effects: "SELECT CONVERT(consumer USING utf8mb4), CONVERT(message_id USING utf8mb4), COUNT(*)
+              FROM conformance_effects WHERE run = ? GROUP BY consumer, message_id",
+    row: "SELECT processed_at IS NOT NULL, dead_lettered_at IS NOT NULL, CAST(attempts AS SIGNED), last_error
+          FROM inbox_messages WHERE consumer = ? AND message_id = ?",
+};
+
 fn app_migrator() -> Migrator {
     // Built at run time from a folder of its own, as an application's `migrate!()` would be.
     let dir = std::env::temp_dir().join(format!(
@@ -81,6 +112,18 @@ fn app_migrator() -> Migrator {
 /// (A macro producing the whole impl, as `#[async_trait]` must see every method.)
 macro_rules! test_db {
     ($db:ty, $store:ty, $tx:ty, concurrent_writers = $concurrent:expr, failed_statement_aborts = $aborts:expr) => {
+        test_db!(
+            $db,
+            $store,
+            $tx,
+            concurrent_writers = $concurrent,
+            failed_statement_aborts = $aborts,
+            effects = EFFECTS,
+            sql = DOLLAR_SQL
+        );
+    };
+    ($db:ty, $store:ty, $tx:ty, concurrent_writers = $concurrent:expr, failed_statement_aborts = $aborts:expr,
+     effects = $effects:expr, sql = $sql:expr) => {
         #[async_trait]
         impl TestDb for $db {
             type Store = $store;
@@ -90,68 +133,89 @@ macro_rules! test_db {
             async fn store(&self) -> $store {
                 let store = Self::connect_fresh().await;
                 store.migrate().await.expect("migrate the inbox");
-                store.pool().execute(EFFECTS).await.expect("effects table");
+                store.pool().execute($effects).await.expect("effects table");
                 store
             }
 
-        async fn write_effect(&self, tx: &mut $tx, run: &str, consumer: &str, id: &str) -> Result<(), sqlx::Error> {
-            sqlx::query("INSERT INTO conformance_effects (run, consumer, message_id) VALUES ($1, $2, $3)")
-                .bind(run)
-                .bind(consumer)
-                .bind(id)
-                .execute(&mut **tx)
-                .await
-                .map(drop)
-        }
+            async fn write_effect(
+                &self,
+                tx: &mut $tx,
+                run: &str,
+                consumer: &str,
+                id: &str,
+            ) -> Result<(), sqlx::Error> {
+                sqlx::query($sql.insert_effect)
+                    .bind(run)
+                    .bind(consumer)
+                    .bind(id)
+                    .execute(&mut **tx)
+                    .await
+                    .map(drop)
+            }
 
-        async fn failing_statement(&self, tx: &mut $tx) -> Result<(), sqlx::Error> {
-            sqlx::query("SELECT * FROM conformance_no_such_table")
-                .execute(&mut **tx)
-                .await
-                .map(drop)
-        }
+            async fn failing_statement(&self, tx: &mut $tx) -> Result<(), sqlx::Error> {
+                sqlx::query("SELECT * FROM conformance_no_such_table")
+                    .execute(&mut **tx)
+                    .await
+                    .map(drop)
+            }
 
-        async fn effects(&self, store: &$store, run: &str) -> HashMap<(String, String), i64> {
-            let rows: Vec<(String, String, i64)> = sqlx::query_as(
-                "SELECT consumer, message_id, count(*) FROM conformance_effects WHERE run = $1 GROUP BY 1, 2",
-            )
-            .bind(run)
-            .fetch_all(store.pool())
-            .await
-            .expect("read effects");
-            rows.into_iter().map(|(c, m, n)| ((c, m), n)).collect()
-        }
-
-        async fn row(&self, store: &$store, consumer: &ConsumerName, id: &str) -> Option<InboxRow> {
-            let row: Option<(bool, bool, i64, Option<String>)> = sqlx::query_as(
-                "SELECT processed_at IS NOT NULL, dead_lettered_at IS NOT NULL, CAST(attempts AS BIGINT), last_error
-                 FROM inbox_messages WHERE consumer = $1 AND message_id = $2",
-            )
-            .bind(consumer.as_str())
-            .bind(id)
-            .fetch_optional(store.pool())
-            .await
-            .expect("read inbox row");
-            row.map(|(processed, dead, attempts, last_error)| InboxRow { processed, dead, attempts, last_error })
-        }
-
-        async fn check_app_migrations_coexist(&self) {
-            let app = app_migrator();
-            for ours_first in [true, false] {
-                let store = Self::connect_fresh().await;
-                if ours_first {
-                    store.migrate().await.unwrap();
-                }
-                app.run(store.pool()).await.expect("the application's migrations run beside ours");
-                store.migrate().await.expect("ours run beside the application's");
-                app.run(store.pool()).await.expect("and again");
-                let versions: Vec<i64> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations")
+            async fn effects(&self, store: &$store, run: &str) -> HashMap<(String, String), i64> {
+                let rows: Vec<(String, String, i64)> = sqlx::query_as($sql.effects)
+                    .bind(run)
                     .fetch_all(store.pool())
                     .await
-                    .unwrap();
-                assert_eq!(versions, vec![1], "only the application's version in _sqlx_migrations");
+                    .expect("read effects");
+                rows.into_iter().map(|(c, m, n)| ((c, m), n)).collect()
             }
-        }
+
+            async fn row(
+                &self,
+                store: &$store,
+                consumer: &ConsumerName,
+                id: &str,
+            ) -> Option<InboxRow> {
+                let row: Option<(bool, bool, i64, Option<String>)> = sqlx::query_as($sql.row)
+                    .bind(consumer.as_str())
+                    .bind(id)
+                    .fetch_optional(store.pool())
+                    .await
+                    .expect("read inbox row");
+                row.map(|(processed, dead, attempts, last_error)| InboxRow {
+                    processed,
+                    dead,
+                    attempts,
+                    last_error,
+                })
+            }
+
+            async fn check_app_migrations_coexist(&self) {
+                let app = app_migrator();
+                for ours_first in [true, false] {
+                    let store = Self::connect_fresh().await;
+                    if ours_first {
+                        store.migrate().await.unwrap();
+                    }
+                    app.run(store.pool())
+                        .await
+                        .expect("the application's migrations run beside ours");
+                    store
+                        .migrate()
+                        .await
+                        .expect("ours run beside the application's");
+                    app.run(store.pool()).await.expect("and again");
+                    let versions: Vec<i64> =
+                        sqlx::query_scalar("SELECT version FROM _sqlx_migrations")
+                            .fetch_all(store.pool())
+                            .await
+                            .unwrap();
+                    assert_eq!(
+                        versions,
+                        vec![1],
+                        "only the application's version in _sqlx_migrations"
+                    );
+                }
+            }
         }
     };
 }
@@ -230,8 +294,60 @@ test_db!(
     failed_statement_aborts = true
 );
 
+/// MySQL / MariaDB: a new database per scenario on the server of `MYSQL_URL`.
+pub struct MySql;
+
+impl MySql {
+    /// The URL of a new, empty database on the test server.
+    pub async fn fresh_url() -> String {
+        let base = services::mysql_url();
+        let name = format!("inbox_t_{}", uuid::Uuid::new_v4().simple());
+        let mut admin = sqlx::MySqlConnection::connect(&base.replacen("mariadb://", "mysql://", 1))
+            .await
+            .expect(
+                "connect to MySQL/MariaDB at MYSQL_URL (scripts/test starts it; see the README)",
+            );
+        admin
+            .execute(format!("CREATE DATABASE {name}").as_str())
+            .await
+            .expect("create a scenario database");
+        let mut url: url_like::Url = base.parse().unwrap();
+        url.set_database(&name);
+        url.to_string()
+    }
+
+    /// The URL of the database `store` is connected to (for another process).
+    pub async fn url_of(store: &MySqlStore) -> String {
+        let name: String = sqlx::query_scalar("SELECT DATABASE()")
+            .fetch_one(store.pool())
+            .await
+            .expect("DATABASE()");
+        let mut url: url_like::Url = services::mysql_url().parse().unwrap();
+        url.set_database(&name);
+        url.to_string()
+    }
+
+    async fn connect_fresh() -> MySqlStore {
+        MySqlStore::connect(&Self::fresh_url().await, 8)
+            .await
+            .expect("connect MySQL")
+    }
+}
+
+test_db!(
+    MySql,
+    MySqlStore,
+    MySqlTx,
+    concurrent_writers = true,
+    // A failed statement rolls back itself only (a deadlock rolls back everything, which
+    // the commit detects).
+    failed_statement_aborts = false,
+    effects = MYSQL_EFFECTS,
+    sql = MYSQL_SQL
+);
+
 mod url_like {
-    //! Just enough URL handling to swap the database name of a PostgreSQL URL.
+    //! Just enough URL handling to swap the database name of a PostgreSQL or MySQL URL.
     use std::fmt;
     use std::str::FromStr;
 

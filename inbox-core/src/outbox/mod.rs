@@ -34,6 +34,8 @@
 //! ```
 
 mod codec;
+#[cfg(feature = "mysql")]
+mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod relay;
@@ -155,7 +157,7 @@ pub struct OutboxDeadRow {
 }
 
 /// The `outbox_messages` table: what [`Outbox`] and [`Relay`] need of a store. Implemented by
-/// the PostgreSQL and SQLite stores; the schema comes with
+/// the PostgreSQL, MySQL / MariaDB and SQLite stores; the schema comes with
 /// [`InboxAdmin::migrate`](crate::InboxAdmin::migrate).
 ///
 /// Every statement that acts for a relay batch names the batch's lease token: once a lease has
@@ -377,11 +379,11 @@ impl<S: OutboxStore> Outbox<S> {
     }
 }
 
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 use codec::decode_headers;
 
 /// A claimed row from the columns both stores return.
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 #[allow(clippy::too_many_arguments)]
 fn row(
     id: i64,
@@ -410,7 +412,7 @@ fn row(
 
 /// Stats from one row of the stats query: destination, pending, failing, dead, blocked keys,
 /// published kept, age of the oldest pending.
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 fn stats(
     (destination, pending, failing, dead, blocked, kept, oldest): (
         String,
@@ -434,7 +436,7 @@ fn stats(
     }
 }
 
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 fn dead_row(
     id: i64,
     destination: String,

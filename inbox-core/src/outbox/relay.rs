@@ -273,7 +273,9 @@ impl<S: OutboxStore> Relay<S> {
                 next_stats = Instant::now() + self.stats_interval;
                 self.sample_stats().await;
             }
-            if self.retention > Duration::ZERO && Instant::now() >= next_cleanup {
+            // Also with no retention: a store may have more to clean than published rows (the
+            // lock rows of ordering keys on MySQL).
+            if Instant::now() >= next_cleanup {
                 next_cleanup = Instant::now() + self.cleanup_interval;
                 match self.outbox.store.outbox_cleanup(self.retention, 1000).await {
                     Ok(n) => report.cleaned += n,

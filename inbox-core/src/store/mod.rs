@@ -1,4 +1,4 @@
-//! The inbox table behind a trait, and its PostgreSQL and SQLite implementations.
+//! The inbox table behind a trait, and its PostgreSQL, MySQL / MariaDB and SQLite implementations.
 
 use std::time::Duration;
 
@@ -7,6 +7,8 @@ use async_trait::async_trait;
 use crate::error::StoreError;
 use crate::id::{ConsumerName, MessageId};
 
+#[cfg(feature = "mysql")]
+pub mod mysql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "sqlite")]
@@ -56,7 +58,7 @@ pub struct ConsumerStats {
 impl ConsumerStats {
     /// From one row of the stats query: consumer, rows, processed, processed in the last hour,
     /// failing, dead, age in seconds of the oldest unprocessed row.
-    #[cfg(any(feature = "postgres", feature = "sqlite"))]
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
     pub(crate) fn from_row(
         (consumer, rows, processed, last_hour, failing, dead, oldest): (
             String,
@@ -304,14 +306,14 @@ pub trait InboxAdmin: InboxStore {
 ///     .await?;
 /// # Ok(()) }
 /// ```
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub fn release_clean<C: sqlx::Connection>(conn: &mut C) -> bool {
     !conn.is_in_transaction()
 }
 
 /// The batch claim's answer in the order of `ids`, from the rows it returned (id, attempts, last
 /// error); an id without a row was done or dead.
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) fn batch_claims(
     ids: &[MessageId],
     rows: impl Iterator<Item = (String, u32, Option<String>)>,
@@ -332,7 +334,7 @@ pub(crate) fn batch_claims(
 /// An error text as the inbox table can hold it: cut to [`MAX_ERROR_CHARS`], and NUL (which
 /// PostgreSQL's `text` refuses, and which a payload can smuggle into a decoder's error message)
 /// replaced by U+FFFD. A text the table refused would stop the bookkeeping of its message.
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) fn storable_error(error: &str) -> std::borrow::Cow<'_, str> {
     let cut = match error.char_indices().nth(MAX_ERROR_CHARS) {
         Some((at, _)) => &error[..at],
@@ -345,10 +347,10 @@ pub(crate) fn storable_error(error: &str) -> std::borrow::Cow<'_, str> {
     }
 }
 
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) use sql_errors::{classify, store_error};
 
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 mod sql_errors {
     use crate::error::{ErrorKind, StoreError};
 
@@ -361,12 +363,45 @@ mod sql_errors {
             | sqlx::Error::PoolTimedOut
             | sqlx::Error::PoolClosed
             | sqlx::Error::WorkerCrashed => ErrorKind::Transient,
-            sqlx::Error::Database(db) => match db.code() {
-                Some(code) if transient_code(&code) || code == ABORTED => ErrorKind::Transient,
+            sqlx::Error::Database(db) => match (mysql_error(db.as_ref()), db.code()) {
+                (Some(MySqlError::Permanent), _) => ErrorKind::Permanent,
+                (Some(_), _) => ErrorKind::Transient,
+                (None, Some(code)) if transient_code(&code) || code == ABORTED => {
+                    ErrorKind::Transient
+                }
                 _ => ErrorKind::Permanent,
             },
             _ => ErrorKind::Permanent,
         }
+    }
+
+    /// What a MySQL / MariaDB server error means for a retry, by its error number (its SQLSTATE
+    /// is too coarse: lock wait timeout and read-only are both HY000).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(crate) enum MySqlError {
+        /// Deadlock (1213, the transaction was rolled back), lock wait timeout (1205), a
+        /// statement interrupted or timed out (1317, 1969, 3024): retry.
+        Conflict,
+        /// The server not there for us: too many connections (1040), shutting down (1053),
+        /// connection killed (1927, 4031), read-only (1290 with --read-only, 1836, 1792 — a
+        /// replica, or a primary being switched over).
+        Gone,
+        /// Anything else: data errors, unknown tables, constraint violations.
+        Permanent,
+    }
+
+    /// `error`'s meaning if it came from a MySQL / MariaDB server.
+    #[allow(unused_variables)]
+    pub(crate) fn mysql_error(error: &dyn sqlx::error::DatabaseError) -> Option<MySqlError> {
+        #[cfg(feature = "mysql")]
+        if let Some(e) = error.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+            return Some(match e.number() {
+                1205 | 1213 | 1317 | 1969 | 3024 => MySqlError::Conflict,
+                1040 | 1053 | 1927 | 4031 | 1290 | 1836 | 1792 => MySqlError::Gone,
+                _ => MySqlError::Permanent,
+            });
+        }
+        None
     }
 
     /// PostgreSQL's "current transaction is aborted": a statement after one that failed. Retrying
@@ -396,6 +431,19 @@ mod sql_errors {
     pub(crate) fn store_error(error: sqlx::Error) -> StoreError {
         let transient = classify(&error) == ErrorKind::Transient;
         match error {
+            sqlx::Error::Database(ref db) => match mysql_error(db.as_ref()) {
+                Some(MySqlError::Conflict) => StoreError::Conflict(Box::new(error)),
+                Some(MySqlError::Gone) => StoreError::Unavailable(Box::new(error)),
+                Some(MySqlError::Permanent) => StoreError::Database(Box::new(error)),
+                None => pg_or_sqlite(error, transient),
+            },
+            _ if transient => StoreError::Unavailable(Box::new(error)),
+            _ => StoreError::Database(Box::new(error)),
+        }
+    }
+
+    fn pg_or_sqlite(error: sqlx::Error, transient: bool) -> StoreError {
+        match error {
             sqlx::Error::Database(ref db) if db.code().as_deref() == Some(ABORTED) => {
                 StoreError::Aborted(Box::new(error))
             }
@@ -412,7 +460,7 @@ mod sql_errors {
     }
 }
 
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) mod migrate {
     //! Our migrations, applied with our own bookkeeping table (`inbox_schema_migrations`), so
     //! that the application's `_sqlx_migrations` never sees our versions.

@@ -1,0 +1,250 @@
+//! The MySQL / MariaDB store (`MYSQL_URL`): the conformance suite on memory and on RabbitMQ,
+//! per message and batched, the outbox suite, and what only InnoDB's locking shows — a
+//! concurrent claim seen waiting in `information_schema.INNODB_TRX`, ids compared byte for byte,
+//! a swallowed deadlock caught at commit.
+
+use inbox_test_kit::{self as conformance, conformance_suite};
+
+use conformance::memory::Memory;
+use conformance::rabbitmq::RabbitMq;
+use inbox::rabbitmq::QueueType;
+
+conformance_suite!(memory_mysql, Memory, async { conformance::stores::MySql });
+conformance_suite!(
+    memory_mysql_batched,
+    Memory,
+    async { conformance::stores::MySql },
+    batched = true
+);
+conformance_suite!(rabbitmq_mysql, RabbitMq::new(QueueType::Classic), async {
+    conformance::stores::MySql
+});
+conformance_suite!(
+    rabbitmq_quorum_mysql_batched,
+    RabbitMq::new(QueueType::Quorum),
+    async { conformance::stores::MySql },
+    batched = true
+);
+conformance::outbox_suite!(outbox_memory_mysql, Memory, async {
+    conformance::stores::MySql
+});
+conformance::outbox_suite!(
+    outbox_rabbitmq_mysql,
+    RabbitMq::new(QueueType::Classic),
+    async { conformance::stores::MySql }
+);
+
+/// InnoDB's locks in action: a concurrent claim of the same message waits for the first
+/// transaction instead of failing or passing, then sees its outcome.
+mod claims {
+    use inbox::store::Claim;
+    use inbox::{ConsumerName, InboxStore, MessageId, MySqlStore, StoreError};
+
+    use crate::conformance::stores::MySql;
+    use crate::conformance::{TestDb, eventually};
+
+    /// Whether the transaction of connection `thread` is waiting on a lock (InnoDB's own view).
+    ///
+    /// MariaDB refreshes `INNODB_TRX` from the engine only when it was not read for 100 ms, so
+    /// a poll faster than that keeps reading the view of the first one. Each check therefore
+    /// waits out that idle time first (pacing, not synchronisation: the condition is still what
+    /// the test waits for), and these tests run one at a time (`.config/nextest.toml`).
+    async fn lock_wait(store: &MySqlStore, thread: u64) -> Result<(), String> {
+        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+        let state: Option<String> = sqlx::query_scalar(
+            "SELECT CAST(trx_state AS CHAR) FROM information_schema.INNODB_TRX
+             WHERE trx_mysql_thread_id = ?",
+        )
+        .bind(thread)
+        .fetch_optional(store.pool())
+        .await
+        .map_err(|e| e.to_string())?;
+        match state.as_deref() {
+            Some("LOCK WAIT") => Ok(()),
+            other => Err(format!("connection {thread}'s transaction: {other:?}")),
+        }
+    }
+
+    /// The server's id of the connection `tx` runs on.
+    async fn thread_of(tx: &mut inbox::MySqlTx) -> u64 {
+        sqlx::query_scalar("SELECT CONNECTION_ID()")
+            .fetch_one(&mut **tx)
+            .await
+            .unwrap()
+    }
+
+    async fn second_claim_on(store: MySqlStore, ids: [&str; 2], commit_first: bool) -> Claim {
+        let consumer = ConsumerName::new("claims").unwrap();
+        let (first_id, second_id) = (
+            MessageId::new(ids[0]).unwrap(),
+            MessageId::new(ids[1]).unwrap(),
+        );
+        let mut first = store.begin().await.unwrap();
+        assert!(matches!(
+            store.claim(&mut first, &consumer, &first_id).await.unwrap(),
+            Claim::Claimed { .. }
+        ));
+        let mut tx = store.begin().await.unwrap();
+        let thread = thread_of(&mut tx).await;
+        let second = tokio::spawn({
+            let (store, consumer) = (store.clone(), consumer.clone());
+            async move {
+                let claim = store.claim(&mut tx, &consumer, &second_id).await.unwrap();
+                store.rollback(tx).await.unwrap();
+                claim
+            }
+        });
+        eventually("the second claim waits in LOCK WAIT", || {
+            lock_wait(&store, thread)
+        })
+        .await;
+        assert!(
+            !second.is_finished(),
+            "the second claim must wait, not fail or pass"
+        );
+        if commit_first {
+            store.commit(first).await.unwrap();
+        } else {
+            store.rollback(first).await.unwrap();
+        }
+        second.await.unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_concurrent_claim_waits_and_then_sees_the_commit() {
+        let store = MySql.store().await;
+        assert_eq!(
+            second_claim_on(store, ["m-1", "m-1"], true).await,
+            Claim::Done
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_concurrent_claim_waits_and_then_takes_over_after_a_rollback() {
+        let store = MySql.store().await;
+        assert_eq!(
+            second_claim_on(store, ["m-1", "m-1"], false).await,
+            Claim::Claimed {
+                attempts: 0,
+                last_error: None
+            }
+        );
+    }
+
+    /// On a pool the application built with another isolation for its sessions (here
+    /// SERIALIZABLE; InnoDB's default is REPEATABLE READ), the copy that waited still sees the
+    /// message done: the store sets READ COMMITTED on each transaction it begins.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_claim_does_not_depend_on_the_session_isolation() {
+        let url = MySql::url_of(&MySql.store().await).await;
+        let pool = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(4)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    sqlx::Executor::execute(
+                        conn,
+                        "SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+                    )
+                    .await
+                    .map(drop)
+                })
+            })
+            .connect(&url)
+            .await
+            .unwrap();
+        let store = MySqlStore::new(pool);
+        assert_eq!(
+            second_claim_on(store, ["m-1", "m-1"], true).await,
+            Claim::Done
+        );
+    }
+
+    /// `a`, `A` and `a ` are three messages: VARBINARY compares bytes (a `_bin` collation pads
+    /// trailing spaces on MariaDB, a `_ci` one folds case). None waits for another.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ids_are_compared_byte_for_byte() {
+        let store = MySql.store().await;
+        let consumer = ConsumerName::new("bytes").unwrap();
+        let mut tx = store.begin().await.unwrap();
+        for id in ["a", "A", "a ", "ä"] {
+            let claim = store
+                .claim(&mut tx, &consumer, &MessageId::new(id).unwrap())
+                .await
+                .unwrap();
+            assert!(matches!(claim, Claim::Claimed { .. }), "{id:?}: {claim:?}");
+        }
+        store.commit(tx).await.unwrap();
+        let mut tx = store.begin().await.unwrap();
+        for id in ["a", "A", "a ", "ä"] {
+            let claim = store
+                .claim(&mut tx, &consumer, &MessageId::new(id).unwrap())
+                .await
+                .unwrap();
+            assert_eq!(claim, Claim::Done, "{id:?}");
+        }
+        let batch: Vec<MessageId> = ["a ", "b", "A", "B "]
+            .iter()
+            .map(|id| MessageId::new(*id).unwrap())
+            .collect();
+        let claims = store.claim_batch(&mut tx, &consumer, &batch).await.unwrap();
+        let fresh = Claim::Claimed {
+            attempts: 0,
+            last_error: None,
+        };
+        assert_eq!(
+            claims,
+            vec![Claim::Done, fresh.clone(), Claim::Done, fresh],
+            "the batch claim agrees"
+        );
+        store.rollback(tx).await.unwrap();
+    }
+
+    /// A deadlock rolls back the victim's whole transaction and the session carries on in
+    /// autocommit mode. A handler that swallows the error must not get its claim "committed":
+    /// the commit finds the transaction gone and fails transiently, so the message is retried.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_swallowed_deadlock_is_caught_at_commit() {
+        let store = MySql.store().await;
+        let consumer = ConsumerName::new("deadlock").unwrap();
+        let (one, two) = (
+            MessageId::new("one").unwrap(),
+            MessageId::new("two").unwrap(),
+        );
+        let mut a = store.begin().await.unwrap();
+        let mut b = store.begin().await.unwrap();
+        let thread_a = thread_of(&mut a).await;
+        store.claim(&mut a, &consumer, &one).await.unwrap();
+        store.claim(&mut b, &consumer, &two).await.unwrap();
+        // Each now wants the other's row: one of them is chosen as the victim.
+        let a_wants_two = tokio::spawn({
+            let (store, consumer, two) = (store.clone(), consumer.clone(), two.clone());
+            async move {
+                let result = store.claim(&mut a, &consumer, &two).await;
+                (a, result)
+            }
+        });
+        eventually("a waits for two", || lock_wait(&store, thread_a)).await;
+        let b_result = store.claim(&mut b, &consumer, &one).await;
+        let (a, a_result) = a_wants_two.await.unwrap();
+        let (victim, survivor) = match (a_result, b_result) {
+            (Err(e), Ok(_)) => ((a, e), b),
+            (Ok(_), Err(e)) => ((b, e), a),
+            other => panic!("expected one deadlock victim: {other:?}"),
+        };
+        assert!(
+            matches!(victim.1, StoreError::Conflict(_)),
+            "a deadlock is a transient conflict: {:?}",
+            victim.1
+        );
+        // The survivor commits both claims.
+        store.commit(survivor).await.unwrap();
+        // The victim's handler swallowed the error and wrote on; the commit must refuse.
+        let mut tx = victim.0;
+        sqlx::query("SELECT 1").execute(&mut *tx).await.unwrap();
+        let refused = store.commit(tx).await;
+        assert!(
+            matches!(refused, Err(StoreError::Aborted(_))),
+            "the commit of a transaction the server rolled back: {refused:?}"
+        );
+    }
+}
