@@ -54,6 +54,36 @@ ensure_postgres() {
   say "PostgreSQL ready"
 }
 
+MYSQL_HOST=127.0.0.1
+MYSQL_PORT=3306
+
+mysql_ping() { mysqladmin --protocol=tcp -h "$MYSQL_HOST" -P "$MYSQL_PORT" -u root ping; }
+
+# MariaDB from Debian's packages (MySQL 8 is not packaged there; with a Docker engine and no
+# MYSQL_URL the tests start a MySQL 8 container instead). No systemd: mariadbd is started
+# detached as the mysql user, as the harness's restart test does.
+ensure_mariadb() {
+  if [ -n "${MYSQL_URL:-}" ] && [ "${INBOX_START_SERVICES:-1}" = 0 ]; then return; fi
+  if ! mysql_ping >/dev/null 2>&1; then
+    if [ ! -x /usr/sbin/mariadbd ] || ! command -v mysqladmin >/dev/null; then
+      apt_install mariadb-server mariadb-client
+    fi
+    say "starting MariaDB"
+    install -d -o mysql -g mysql /run/mysqld
+    setsid -f /usr/sbin/mariadbd --user=mysql </dev/null >/dev/null 2>&1
+    wait_for "MariaDB on $MYSQL_HOST:$MYSQL_PORT" 60 mysql_ping
+  fi
+  # The tests connect as root without a password over TCP, to database `test`.
+  mysql --protocol=tcp -h "$MYSQL_HOST" -P "$MYSQL_PORT" -u root -e 'CREATE DATABASE IF NOT EXISTS test' >&2 \
+    || die "cannot reach MariaDB as root without a password at $MYSQL_HOST:$MYSQL_PORT"
+  export MYSQL_URL="${MYSQL_URL:-mysql://root@$MYSQL_HOST:$MYSQL_PORT/test}"
+  # Scenario databases of earlier runs.
+  mysql --protocol=tcp -h "$MYSQL_HOST" -P "$MYSQL_PORT" -u root -N -e \
+    "SELECT schema_name FROM information_schema.schemata WHERE schema_name LIKE 'inbox\\_t\\_%'" 2>/dev/null |
+    while read -r db; do mysql --protocol=tcp -h "$MYSQL_HOST" -P "$MYSQL_PORT" -u root -e "DROP DATABASE IF EXISTS \`$db\`" >/dev/null 2>&1 || true; done
+  say "MariaDB ready"
+}
+
 AMQP_HOST=127.0.0.1
 AMQP_PORT=5672
 

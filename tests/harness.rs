@@ -547,10 +547,10 @@ impl Broker {
 /// Publishes in chunks; after each chunk a consumer process starts and is killed with SIGKILL at
 /// a random moment (every other time at a stall between commit and ack). A last one runs clean
 /// and is stopped with SIGTERM. Then: every event once per consumer, nothing left in the broker.
-async fn kill_nine(broker: Broker) {
+async fn kill_nine(broker: Broker, db: Database) {
     let plan = plan();
     let mut dice = Dice::new();
-    let database = conformance::stores::Postgres::fresh_url().await;
+    let database = db.fresh_url().await;
     let run = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
     broker.prepare().await;
     let mut tally = Tally {
@@ -618,6 +618,48 @@ async fn kill_nine(broker: Broker) {
     );
 }
 
+/// The harness's own look at a demo database, on PostgreSQL or MySQL.
+enum Inspect {
+    Postgres(sqlx::PgPool),
+    MySql(sqlx::MySqlPool),
+}
+
+impl Inspect {
+    async fn connect(url: &str) -> Self {
+        if url.starts_with("postgres") {
+            Inspect::Postgres(sqlx::PgPool::connect(url).await.expect("the database"))
+        } else {
+            Inspect::MySql(sqlx::MySqlPool::connect(url).await.expect("the database"))
+        }
+    }
+
+    /// A count, written in SQL both databases take.
+    async fn count(&self, sql: &str) -> Result<i64, sqlx::Error> {
+        match self {
+            Inspect::Postgres(pool) => sqlx::query_scalar(sql).fetch_one(pool).await,
+            Inspect::MySql(pool) => sqlx::query_scalar(sql).fetch_one(pool).await,
+        }
+    }
+
+    /// The outbox row of message `id`: its failed attempts, and whether it is leased.
+    async fn stalled_row(&self, id: &str) -> Option<(i32, bool)> {
+        const SQL: &str =
+            "SELECT attempts, lease_token IS NOT NULL FROM outbox_messages WHERE message_id = ";
+        match self {
+            Inspect::Postgres(pool) => sqlx::query_as(&format!("{SQL}$1"))
+                .bind(id)
+                .fetch_optional(pool)
+                .await
+                .unwrap(),
+            Inspect::MySql(pool) => sqlx::query_as(&format!("{SQL}?"))
+                .bind(id)
+                .fetch_optional(pool)
+                .await
+                .unwrap(),
+        }
+    }
+}
+
 /// Waits until the consumers processed 200 messages: mid-stream, not still starting.
 async fn at_work(outcomes: &Outcomes, what: &str) {
     eventually(what, || async {
@@ -650,10 +692,10 @@ async fn eventually_drained(broker: &Broker) {
 /// too. A last relay and consumer run clean. Then every created parcel has exactly one
 /// notification and one booking, the consumers discarded the relay's second publishes, and
 /// nothing is left in the outbox or the broker.
-async fn outbox_kill_nine(broker: Broker) {
+async fn outbox_kill_nine(broker: Broker, db: Database) {
     let plan = plan();
     let mut dice = Dice::new();
-    let database = conformance::stores::Postgres::fresh_url().await;
+    let database = db.fresh_url().await;
     let mut tally = Tally {
         events: plan.events as u64,
         ..Tally::default()
@@ -672,21 +714,20 @@ async fn outbox_kill_nine(broker: Broker) {
         )
     };
     let mut consumer = Some(consume(&tally.outcomes));
-    let pool = sqlx::PgPool::connect(&database)
-        .await
-        .expect("the database");
+    let pool = Inspect::connect(&database).await;
     // Rows marked so far (the relay deletes a row when it marks it); 0 while the demo's
-    // processes have not yet created the tables.
+    // processes have not yet created the tables (PostgreSQL 42P01, MySQL 42S02).
     let marked = || async {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT (SELECT count(*) FROM parcels) - (SELECT count(*) FROM outbox_messages)",
-        )
-        .fetch_one(&pool)
-        .await
-        .or_else(|e| match &e {
-            sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => Ok(0),
-            _ => Err(e.to_string()),
-        })
+        pool.count("SELECT (SELECT count(*) FROM parcels) - (SELECT count(*) FROM outbox_messages)")
+            .await
+            .or_else(|e| match &e {
+                sqlx::Error::Database(db)
+                    if matches!(db.code().as_deref(), Some("42P01" | "42S02")) =>
+                {
+                    Ok(0)
+                }
+                _ => Err(e.to_string()),
+            })
     };
     for k in 0..plan.kills {
         let count = ((k + 1) * chunk).min(plan.events) - k * chunk;
@@ -714,13 +755,7 @@ async fn outbox_kill_nine(broker: Broker) {
                 .last()
                 .cloned()
                 .expect("a stalled id");
-            let row: Option<(i32, bool)> = sqlx::query_as(
-                "SELECT attempts, lease_token IS NOT NULL FROM outbox_messages WHERE message_id = $1",
-            )
-            .bind(&id)
-            .fetch_optional(&pool)
-            .await
-            .unwrap();
+            let row = pool.stalled_row(&id).await;
             at_stalls += u64::from(row == Some((0, true)));
         }
         relay_kills += 1;
@@ -736,10 +771,7 @@ async fn outbox_kill_nine(broker: Broker) {
     // The rows a killed relay published but did not mark were handled already; the last relay
     // publishes them again once their lease lapses, and marks them.
     eventually("the outbox empty", || async {
-        match sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox_messages")
-            .fetch_one(&pool)
-            .await
-        {
+        match pool.count("SELECT count(*) FROM outbox_messages").await {
             Ok(0) => Ok(()),
             Ok(n) => Err(format!("{n} rows left")),
             Err(e) => Err(e.to_string()),
@@ -769,8 +801,8 @@ async fn outbox_kill_nine(broker: Broker) {
     assert_eq!(report["parcels_created"], plan.events, "{report}");
     assert_eq!(report["created_parcels_complete"], plan.events, "{report}");
     assert_clean(&tally);
-    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_messages")
-        .fetch_one(&pool)
+    let left: i64 = pool
+        .count("SELECT count(*) FROM outbox_messages")
         .await
         .unwrap();
     assert_eq!(left, 0, "outbox rows left");
@@ -866,13 +898,13 @@ async fn outbox_postgres_restart(broker: Broker) {
 
 /// A fault in the middle of the stream: publish half, let the consumer work, `fault`, publish
 /// the rest; afterwards exactly once and a log that shows backoff, not a storm.
-async fn fault_mid_stream<F, Fut>(broker: Broker, restart: Restart, fault: F)
+async fn fault_mid_stream<F, Fut>(broker: Broker, db: Database, restart: Restart, fault: F)
 where
     F: FnOnce() -> Fut,
     Fut: std::future::Future<Output = Duration>,
 {
     let events = plan().events;
-    let database = conformance::stores::Postgres::fresh_url().await;
+    let database = db.fresh_url().await;
     let run = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
     broker.prepare().await;
     let mut tally = Tally {
@@ -924,12 +956,86 @@ where
 
 /// PostgreSQL restarted while `broker`'s consumer works.
 async fn postgres_restart_mid_stream(broker: Broker) {
-    fault_mid_stream(broker, Restart::Database, || async {
+    fault_mid_stream(broker, Database::Postgres, Restart::Database, || async {
         let down = Instant::now();
         restart_postgres().await;
         down.elapsed()
     })
     .await;
+}
+
+/// MariaDB restarted while `broker`'s consumer works.
+async fn mariadb_restart_mid_stream(broker: Broker) {
+    fault_mid_stream(broker, Database::MariaDb, Restart::Database, || async {
+        let down = Instant::now();
+        restart_mariadb().await;
+        down.elapsed()
+    })
+    .await;
+}
+
+/// Restarts the local MariaDB server (the one `MYSQL_URL` points at): `mysqladmin shutdown`,
+/// which returns once the server is down, then `mariadbd` again, detached, as the `mysql` user.
+async fn restart_mariadb() {
+    let url = conformance::services::mysql_url();
+    assert!(
+        url.contains("@127.0.0.1") || url.contains("@localhost"),
+        "the MariaDB restart needs the local server; MYSQL_URL is elsewhere"
+    );
+    let status = tokio::process::Command::new("mysqladmin")
+        .args([
+            "--protocol=tcp",
+            "-h",
+            "127.0.0.1",
+            "-u",
+            "root",
+            "shutdown",
+        ])
+        .status()
+        .await
+        .expect("mysqladmin runs (the harness restarts the local MariaDB)");
+    assert!(status.success(), "mysqladmin shutdown: {status}");
+    let status = tokio::process::Command::new("setsid")
+        .args(["-f", "/usr/sbin/mariadbd", "--user=mysql"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .await
+        .expect("setsid runs /usr/sbin/mariadbd");
+    assert!(status.success(), "starting mariadbd: {status}");
+    eventually("MariaDB answers again", || async {
+        let ping = tokio::process::Command::new("mysqladmin")
+            .args(["--protocol=tcp", "-h", "127.0.0.1", "-u", "root", "ping"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .await
+            .map_err(|e| e.to_string())?;
+        if ping.success() {
+            Ok(())
+        } else {
+            Err(format!("mysqladmin ping: {ping}"))
+        }
+    })
+    .await;
+}
+
+/// The database the demo's processes run on.
+#[derive(Clone, Copy)]
+enum Database {
+    Postgres,
+    MariaDb,
+}
+
+impl Database {
+    /// A new, empty database's URL.
+    async fn fresh_url(self) -> String {
+        match self {
+            Database::Postgres => conformance::stores::Postgres::fresh_url().await,
+            Database::MariaDb => conformance::stores::MySql::fresh_url().await,
+        }
+    }
 }
 
 /// What [`fault_mid_stream`] restarts.
@@ -1010,12 +1116,12 @@ mod rabbitmq {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn rabbitmq_kill_nine() {
-        kill_nine(broker()).await;
+        kill_nine(broker(), Database::Postgres).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn rabbitmq_outbox_kill_nine() {
-        outbox_kill_nine(broker()).await;
+        outbox_kill_nine(broker(), Database::Postgres).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1025,7 +1131,7 @@ mod rabbitmq {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn rabbitmq_broker_restart() {
-        fault_mid_stream(broker(), Restart::Broker, || async {
+        fault_mid_stream(broker(), Database::Postgres, Restart::Broker, || async {
             let down = Instant::now();
             rabbitmqctl(&["stop_app"]).await;
             tokio::time::sleep(OUTAGE).await;
@@ -1039,6 +1145,21 @@ mod rabbitmq {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn rabbitmq_postgres_restart() {
         postgres_restart_mid_stream(broker()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn rabbitmq_mariadb_kill_nine() {
+        kill_nine(broker(), Database::MariaDb).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn rabbitmq_mariadb_outbox_kill_nine() {
+        outbox_kill_nine(broker(), Database::MariaDb).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn rabbitmq_mariadb_restart() {
+        mariadb_restart_mid_stream(broker()).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1146,12 +1267,12 @@ mod kafka {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn kafka_kill_nine() {
-        kill_nine(broker()).await;
+        kill_nine(broker(), Database::Postgres).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn kafka_outbox_kill_nine() {
-        outbox_kill_nine(broker()).await;
+        outbox_kill_nine(broker(), Database::Postgres).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1340,7 +1461,7 @@ mod kafka {
                 .map_err(|e| e.to_string())
         })
         .await;
-        fault_mid_stream(broker, Restart::Broker, || async {
+        fault_mid_stream(broker, Database::Postgres, Restart::Broker, || async {
             let down = Instant::now();
             tansu.lock().await.restart(OUTAGE).await;
             down.elapsed()

@@ -1,5 +1,7 @@
 //! The parcel domain: the event, the two consumers' handlers and their tables, and the report.
 
+#[cfg(feature = "mysql")]
+use inbox::MySqlTx;
 #[cfg(feature = "postgres")]
 use inbox::PgTx;
 use inbox::{
@@ -65,11 +67,58 @@ pub async fn publish_events(
     Ok(sent)
 }
 
+/// Which SQL the demo's own statements are written in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dialect {
+    Postgres,
+    MySql,
+    Sqlite,
+}
+
+/// `sql` (written with `$1, $2, …` in order) in `dialect`: MySQL's placeholders are `?`.
+pub fn sql(sql: &'static str, dialect: Dialect) -> std::borrow::Cow<'static, str> {
+    if dialect != Dialect::MySql {
+        return sql.into();
+    }
+    let mut out = String::with_capacity(sql.len());
+    let mut chars = sql.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '$' && chars.peek().is_some_and(char::is_ascii_digit) {
+            while chars.peek().is_some_and(char::is_ascii_digit) {
+                chars.next();
+            }
+            out.push('?');
+        } else {
+            out.push(c);
+        }
+    }
+    out.into()
+}
+
 /// The demo's own tables (an application would keep these in its own migrations). A booking has
 /// its own id and a non-unique `parcel_id`: a double booking would show as two rows. `parcels` is
 /// the producer's table; `parcel_requests` remembers the API's idempotency keys.
-pub fn table_statements(postgres: bool) -> Vec<String> {
-    let now = if postgres {
+pub fn table_statements(dialect: Dialect) -> Vec<String> {
+    if dialect == Dialect::MySql {
+        // Keys must be sized on MySQL, and MySQL 8 has no CREATE INDEX IF NOT EXISTS.
+        let table = "ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_unicode_ci";
+        return vec![
+            format!("CREATE TABLE IF NOT EXISTS notifications (
+                id VARCHAR(64) PRIMARY KEY, parcel_id VARCHAR(64) NOT NULL, tracking_number TEXT NOT NULL,
+                text TEXT NOT NULL, KEY notifications_parcel (parcel_id)) {table}"),
+            format!("CREATE TABLE IF NOT EXISTS carrier_bookings (
+                id VARCHAR(64) PRIMARY KEY, parcel_id VARCHAR(64) NOT NULL, carrier TEXT NOT NULL,
+                destination TEXT NOT NULL, KEY carrier_bookings_parcel (parcel_id)) {table}"),
+            format!("CREATE TABLE IF NOT EXISTS parcels (
+                id VARCHAR(64) PRIMARY KEY, tracking_number TEXT NOT NULL, destination TEXT NOT NULL,
+                created_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) {table}"),
+            format!("CREATE TABLE IF NOT EXISTS parcel_requests (
+                idempotency_key VARCHAR(255) PRIMARY KEY, parcel_id VARCHAR(64) NOT NULL,
+                fingerprint VARCHAR(128) NOT NULL,
+                created_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) {table}"),
+        ];
+    }
+    let now = if dialect == Dialect::Postgres {
         "TIMESTAMPTZ NOT NULL DEFAULT now()"
     } else {
         "TEXT NOT NULL DEFAULT CURRENT_TIMESTAMP"
@@ -118,14 +167,15 @@ fn carrier_for(event: &ParcelCreatedEvent) -> &'static str {
     CARRIERS[event.destination.len() % CARRIERS.len()]
 }
 
-/// The same handlers for both stores: the SQL is identical, only the transaction type differs.
+/// The same handlers for every store: the SQL is the same but for MySQL's placeholders, and the
+/// transaction type differs.
 macro_rules! handlers_for {
-    ($tx:ty) => {
+    ($tx:ty, $dialect:expr) => {
         #[async_trait]
         impl inbox::Handler<$tx> for Notification {
             async fn handle(&self, message: &Message<'_>, tx: &mut $tx) -> Result<(), HandlerError> {
                 let event: ParcelCreatedEvent = message.json()?;
-                sqlx::query("INSERT INTO notifications (id, parcel_id, tracking_number, text) VALUES ($1, $2, $3, $4)")
+                sqlx::query(&sql("INSERT INTO notifications (id, parcel_id, tracking_number, text) VALUES ($1, $2, $3, $4)", $dialect))
                     .bind(uuid::Uuid::new_v4().to_string())
                     .bind(event.parcel_id.to_string())
                     .bind(&event.tracking_number)
@@ -143,7 +193,7 @@ macro_rules! handlers_for {
                 if flaky(&event, message.attempt) {
                     return Err(HandlerError::transient("carrier API timed out"));
                 }
-                sqlx::query("INSERT INTO carrier_bookings (id, parcel_id, carrier, destination) VALUES ($1, $2, $3, $4)")
+                sqlx::query(&sql("INSERT INTO carrier_bookings (id, parcel_id, carrier, destination) VALUES ($1, $2, $3, $4)", $dialect))
                     .bind(uuid::Uuid::new_v4().to_string())
                     .bind(event.parcel_id.to_string())
                     .bind(carrier_for(&event))
@@ -157,8 +207,10 @@ macro_rules! handlers_for {
 }
 
 #[cfg(feature = "postgres")]
-handlers_for!(PgTx);
-handlers_for!(SqliteTx);
+handlers_for!(PgTx, Dialect::Postgres);
+#[cfg(feature = "mysql")]
+handlers_for!(MySqlTx, Dialect::MySql);
+handlers_for!(SqliteTx, Dialect::Sqlite);
 
 /// What the database says the consumers did.
 #[derive(Debug, Serialize)]

@@ -17,7 +17,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use domain::{CarrierAssignment, Notification, Report};
+use domain::{CarrierAssignment, Dialect, Notification, Report};
+#[cfg(feature = "mysql")]
+use inbox::MySqlStore;
 #[cfg(feature = "postgres")]
 use inbox::PostgresStore;
 use inbox::memory::{Faults, MemoryBroker};
@@ -89,7 +91,7 @@ enum Which {
 struct ConsumeArgs {
     #[arg(long, value_enum)]
     transport: TransportKind,
-    /// Database URL: postgres://… or sqlite:…
+    /// Database URL: postgres://…, mysql://… or sqlite:…
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database: String,
     /// The topic / exchange to consume.
@@ -131,7 +133,7 @@ struct PublishArgs {
 
 #[derive(Args)]
 struct ProduceArgs {
-    /// The producer's database URL: postgres://… or sqlite:…
+    /// The producer's database URL: postgres://…, mysql://… or sqlite:…
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database: String,
     /// Parcels to create.
@@ -147,7 +149,7 @@ struct ProduceArgs {
 
 #[derive(Args)]
 struct ServeArgs {
-    /// The producer's database URL: postgres://… or sqlite:…
+    /// The producer's database URL: postgres://…, mysql://… or sqlite:…
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database: String,
     /// Where to listen (port 0: any free port; the line `listening on http://ADDR` says which).
@@ -162,7 +164,7 @@ struct ServeArgs {
 struct RelayArgs {
     #[arg(long, value_enum)]
     transport: TransportKind,
-    /// The producer's database URL: postgres://… or sqlite:…
+    /// The producer's database URL: postgres://…, mysql://… or sqlite:…
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database: String,
     /// The demo's destination, whose topology (the consumers' queues or groups) is declared
@@ -313,6 +315,8 @@ macro_rules! with_store {
         match $db {
             #[cfg(feature = "postgres")]
             Db::Postgres($s) => $body,
+            #[cfg(feature = "mysql")]
+            Db::MySql($s) => $body,
             Db::Sqlite($s) => $body,
         }
     };
@@ -323,6 +327,8 @@ macro_rules! with_store {
 enum Db {
     #[cfg(feature = "postgres")]
     Postgres(PostgresStore),
+    #[cfg(feature = "mysql")]
+    MySql(MySqlStore),
     Sqlite(SqliteStore),
 }
 
@@ -335,10 +341,19 @@ impl Db {
             }
             #[cfg(not(feature = "postgres"))]
             return Err("this build has no PostgreSQL store: run with --features postgres".into());
+        } else if url.starts_with("mysql:") || url.starts_with("mariadb:") {
+            #[cfg(feature = "mysql")]
+            {
+                Db::MySql(MySqlStore::connect(url, 16).await?)
+            }
+            #[cfg(not(feature = "mysql"))]
+            return Err("this build has no MySQL store: run with --features mysql".into());
         } else if url.starts_with("sqlite:") {
             Db::Sqlite(SqliteStore::connect(url).await?)
         } else {
-            return Err("--database must be a postgres:// or sqlite: URL".into());
+            return Err(
+                "--database must be a postgres://, mysql://, mariadb:// or sqlite: URL".into(),
+            );
         };
         // Every process of the demo may start at once on a new database: the inbox's
         // migrations take their lock, and the demo's tables are created under one of their own
@@ -352,17 +367,26 @@ impl Db {
                 sqlx::query("SELECT pg_advisory_xact_lock(hashtext('parcel_tracker tables'))")
                     .execute(&mut *tx)
                     .await?;
-                for statement in domain::table_statements(true) {
+                for statement in domain::table_statements(Dialect::Postgres) {
                     sqlx::query(&statement).execute(&mut *tx).await?;
                 }
                 tx.commit().await?;
+            }
+            // MySQL: CREATE TABLE IF NOT EXISTS is safe from several sessions at once (the
+            // metadata lock orders them), and the indexes are created with the tables.
+            #[cfg(feature = "mysql")]
+            Db::MySql(s) => {
+                s.migrate().await?;
+                for statement in domain::table_statements(Dialect::MySql) {
+                    sqlx::query(&statement).execute(s.pool()).await?;
+                }
             }
             Db::Sqlite(s) => {
                 use sqlx::Connection as _;
                 s.migrate().await?;
                 let mut conn = s.pool().acquire().await?;
                 let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-                for statement in domain::table_statements(false) {
+                for statement in domain::table_statements(Dialect::Sqlite) {
                     sqlx::query(&statement).execute(&mut *tx).await?;
                 }
                 tx.commit().await?;
@@ -383,6 +407,8 @@ impl Db {
         match self {
             #[cfg(feature = "postgres")]
             Db::Postgres(s) => run_consumers(s, transport, source, which, shape, token).await,
+            #[cfg(feature = "mysql")]
+            Db::MySql(s) => run_consumers(s, transport, source, which, shape, token).await,
             Db::Sqlite(s) => run_consumers(s, transport, source, which, shape, token).await,
         }
     }
@@ -538,6 +564,11 @@ async fn consume(args: ConsumeArgs) -> Result<ExitCode, Error> {
         match &db {
             #[cfg(feature = "postgres")]
             Db::Postgres(store) => {
+                let cleanup = inbox::Cleanup::new(store.clone(), retention);
+                tokio::spawn(async move { cleanup.run(token).await });
+            }
+            #[cfg(feature = "mysql")]
+            Db::MySql(store) => {
                 let cleanup = inbox::Cleanup::new(store.clone(), retention);
                 tokio::spawn(async move { cleanup.run(token).await });
             }

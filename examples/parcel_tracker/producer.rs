@@ -13,6 +13,8 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+#[cfg(feature = "mysql")]
+use inbox::MySqlStore;
 #[cfg(feature = "postgres")]
 use inbox::PostgresStore;
 use inbox::outbox::{Outbox, OutboxStore};
@@ -23,7 +25,7 @@ use inbox::{
 };
 use serde::Deserialize;
 
-use crate::domain::ParcelCreatedEvent;
+use crate::domain::{Dialect, ParcelCreatedEvent, sql};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -92,8 +94,10 @@ pub trait ParcelStore: OutboxStore + Send + Sync + 'static {
     async fn ping(&self) -> Result<(), StoreError>;
 }
 
+/// `create_parcel` and `ping` for one store. `$written` tells from the result of the
+/// `parcel_requests` insert whether it wrote the row.
 macro_rules! parcel_store_for {
-    ($store:ty) => {
+    ($store:ty, $dialect:expr, written = $written:expr) => {
         #[async_trait]
         impl ParcelStore for $store {
             async fn create_parcel(
@@ -108,23 +112,31 @@ macro_rules! parcel_store_for {
                 let mut tx = self.begin().await?;
                 if let Some(key) = idempotency_key {
                     let fingerprint = parcel.fingerprint();
-                    let written = sqlx::query(
+                    let insert = if $dialect == Dialect::MySql {
+                        // No ON CONFLICT DO NOTHING; and with sqlx's CLIENT_FOUND_ROWS the
+                        // affected rows are 1 either way: the duplicate path reports through
+                        // LAST_INSERT_ID instead.
                         "INSERT INTO parcel_requests (idempotency_key, parcel_id, fingerprint)
-                         VALUES ($1, $2, $3) ON CONFLICT (idempotency_key) DO NOTHING",
-                    )
-                    .bind(key)
-                    .bind(parcel_id.to_string())
-                    .bind(&fingerprint)
-                    .execute(&mut *tx)
-                    .await?
-                    .rows_affected();
-                    if written == 0 {
+                         VALUES (?, ?, ?)
+                         ON DUPLICATE KEY UPDATE idempotency_key = IF(LAST_INSERT_ID(1), idempotency_key, idempotency_key)"
+                    } else {
+                        "INSERT INTO parcel_requests (idempotency_key, parcel_id, fingerprint)
+                         VALUES ($1, $2, $3) ON CONFLICT (idempotency_key) DO NOTHING"
+                    };
+                    let result = sqlx::query(insert)
+                        .bind(key)
+                        .bind(parcel_id.to_string())
+                        .bind(&fingerprint)
+                        .execute(&mut *tx)
+                        .await?;
+                    if !($written)(&result) {
                         // An earlier request with this key committed (a concurrent one made this
                         // insert wait until it did): answer with its parcel.
                         self.rollback(tx).await?;
-                        let (id, first): (String, String) = sqlx::query_as(
+                        let (id, first): (String, String) = sqlx::query_as(&sql(
                             "SELECT parcel_id, fingerprint FROM parcel_requests WHERE idempotency_key = $1",
-                        )
+                            $dialect,
+                        ))
                         .bind(key)
                         .fetch_one(self.pool())
                         .await?;
@@ -137,7 +149,7 @@ macro_rules! parcel_store_for {
                         return Ok(Created { parcel_id, replayed: true });
                     }
                 }
-                sqlx::query("INSERT INTO parcels (id, tracking_number, destination) VALUES ($1, $2, $3)")
+                sqlx::query(&sql("INSERT INTO parcels (id, tracking_number, destination) VALUES ($1, $2, $3)", $dialect))
                     .bind(parcel_id.to_string())
                     .bind(&parcel.tracking_number)
                     .bind(&parcel.destination)
@@ -169,8 +181,22 @@ macro_rules! parcel_store_for {
 }
 
 #[cfg(feature = "postgres")]
-parcel_store_for!(PostgresStore);
-parcel_store_for!(SqliteStore);
+parcel_store_for!(
+    PostgresStore,
+    Dialect::Postgres,
+    written = |r: &sqlx::postgres::PgQueryResult| r.rows_affected() > 0
+);
+#[cfg(feature = "mysql")]
+parcel_store_for!(
+    MySqlStore,
+    Dialect::MySql,
+    written = |r: &sqlx::mysql::MySqlQueryResult| r.last_insert_id() == 0
+);
+parcel_store_for!(
+    SqliteStore,
+    Dialect::Sqlite,
+    written = |r: &sqlx::sqlite::SqliteQueryResult| r.rows_affected() > 0
+);
 
 /// `produce`: `count` parcels, each in its own transaction with its event, eight at a time or
 /// paced to `rate` per second.
