@@ -41,8 +41,8 @@ use inbox::outbox::Outbox;
 use inbox::transport::{AckToken, Capabilities, Delivery, DeliveryStream, Subscription};
 use inbox::{
     Batching, CancellationToken, Consumer, ConsumerName, Handler, HandlerError, Headers,
-    InboxAdmin, InboxStore, Message, OutgoingMessage, PgTx, PostgresStore, Transport,
-    TransportError, async_trait,
+    InboxAdmin, InboxStore, Message, MySqlStore, MySqlTx, OutgoingMessage, PgTx, PostgresStore,
+    Transport, TransportError, async_trait,
 };
 use sqlx::{Connection, Executor, PgPool};
 use tokio::sync::Semaphore;
@@ -99,6 +99,10 @@ struct Args {
     /// The PostgreSQL server (a database of its own is created on it).
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database: String,
+    /// A MySQL / MariaDB server to compare with: the inbox per message and batched on it too
+    /// (rows `mysql_per_message`, `mysql_batch`; a database of its own is created on it).
+    #[arg(long, env = "MYSQL_URL", hide_env_values = true)]
+    mysql: Option<String>,
     /// cargo bench passes this; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -132,6 +136,81 @@ impl Handler<PgTx> for BenchHandler {
         business_write(tx, &self.run, message.id.as_str()).await?;
         Ok(())
     }
+}
+
+#[async_trait]
+impl Handler<MySqlTx> for BenchHandler {
+    async fn handle(&self, message: &Message<'_>, tx: &mut MySqlTx) -> Result<(), HandlerError> {
+        sqlx::query("INSERT INTO bench_effects (run, message_id, payload) VALUES (?, ?, ?)")
+            .bind(&self.run)
+            .bind(message.id.as_str())
+            .bind("booked")
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+/// A store the inbox modes run on: PostgreSQL, or MySQL / MariaDB.
+#[async_trait]
+trait BenchStore: InboxStore + Clone
+where
+    BenchHandler: Handler<Self::Tx>,
+{
+    /// Messages of `run` with more than one effect row.
+    async fn doubles(&self, run: &str) -> Result<i64, Error>;
+}
+
+#[async_trait]
+impl BenchStore for PostgresStore {
+    async fn doubles(&self, run: &str) -> Result<i64, Error> {
+        doubles(self.pool(), run).await
+    }
+}
+
+#[async_trait]
+impl BenchStore for MySqlStore {
+    async fn doubles(&self, run: &str) -> Result<i64, Error> {
+        Ok(sqlx::query_scalar(
+            "SELECT COUNT(*) FROM (SELECT message_id FROM bench_effects WHERE run = ?
+               GROUP BY message_id HAVING COUNT(*) > 1) d",
+        )
+        .bind(run)
+        .fetch_one(self.pool())
+        .await?)
+    }
+}
+
+/// A new database on the MySQL server at `url`, migrated, with the bench's effects table.
+async fn mysql_store(url: &str, connections: u32) -> Result<MySqlStore, Error> {
+    let name = format!("inbox_bench_{}", uuid::Uuid::new_v4().simple());
+    let admin = MySqlStore::connect(url, 1).await?;
+    admin
+        .pool()
+        .execute(format!("CREATE DATABASE {name}").as_str())
+        .await?;
+    admin.pool().close().await;
+    let (head, query) = url.split_once('?').map_or((url, ""), |(h, q)| (h, q));
+    let scheme_end = head.find("://").ok_or("MYSQL_URL is not a URL")? + 3;
+    let base = match head[scheme_end..].find('/') {
+        Some(slash) => &head[..scheme_end + slash],
+        None => head,
+    };
+    let query = if query.is_empty() {
+        String::new()
+    } else {
+        format!("?{query}")
+    };
+    let store = MySqlStore::connect(&format!("{base}/{name}{query}"), connections).await?;
+    store.migrate().await?;
+    store
+        .pool()
+        .execute(
+            "CREATE TABLE bench_effects (run VARCHAR(64) NOT NULL, message_id VARBINARY(255) NOT NULL,
+               payload VARCHAR(32) NOT NULL, KEY bench_effects_run (run, message_id))",
+        )
+        .await?;
+    Ok(store)
 }
 
 /// One measured mode.
@@ -377,14 +456,17 @@ fn run_name(mode: &str) -> String {
 }
 
 /// The inbox consumer, per message or batched.
-async fn inbox_mode(
+async fn inbox_mode<S: BenchStore>(
     name: &'static str,
     target: &Target,
-    store: &PostgresStore,
+    store: &S,
     args: &Args,
     batch: Option<Batching>,
     copies: bool,
-) -> Result<Measured, Error> {
+) -> Result<Measured, Error>
+where
+    BenchHandler: Handler<S::Tx>,
+{
     let run = run_name("inbox");
     let (source, total) = prepare(target, &run, args.messages, copies).await?;
     let mut consumer = Consumer::new(
@@ -422,7 +504,7 @@ async fn inbox_mode(
         },
         messages: total as usize,
         seconds,
-        doubles: Some(doubles(store.pool(), &run).await?),
+        doubles: Some(store.doubles(&run).await?),
         latencies: target.timed.take(),
     })
 }
@@ -1215,6 +1297,10 @@ async fn bench(args: Args) -> Result<(), Error> {
         }
         return write_json(&args, rows, peak_rss_mib());
     }
+    let mysql = match &args.mysql {
+        Some(url) => Some(mysql_store(url, (args.concurrency + 2) as u32).await?),
+        None => None,
+    };
     let ceiling = pgbench(&args, &url).await?;
     println!(
         "pgbench, the inbox's transaction shape, {} clients: {:.0} tx/s",
@@ -1294,6 +1380,31 @@ async fn bench(args: Args) -> Result<(), Error> {
             inbox_copies.doubles.unwrap_or(0),
             naive_copies.doubles.unwrap_or(0)
         );
+        if let Some(mysql) = &mysql {
+            let batching = Some(Batching::new(100, Duration::from_millis(5)));
+            let mut my_per_message =
+                inbox_mode("MariaDB per message", t, mysql, &args, None, false).await?;
+            my_per_message.mode = "mysql_per_message";
+            let mut my_batch =
+                inbox_mode("MariaDB batch", t, mysql, &args, batching, false).await?;
+            my_batch.mode = "mysql_batch";
+            for m in [&my_per_message, &my_batch] {
+                rows.push(m.row(t.name));
+                println!(
+                    "{:<28}{:>10.0}{:>10}{:>10}{:>16}",
+                    m.name,
+                    m.rate(),
+                    m.percentile(50.0),
+                    m.percentile(99.0),
+                    m.doubles.map_or("-".to_owned(), |d| d.to_string())
+                );
+            }
+            println!(
+                "MariaDB / PostgreSQL: per message {:.2}, batch {:.2}",
+                ratio(&my_per_message, &per_message),
+                ratio(&my_batch, &batched)
+            );
+        }
         rows.extend(outbox_modes(t, &store, &args).await?);
     }
     let rss = peak_rss_mib();

@@ -1,5 +1,5 @@
-//! The `inbox` command line, run as a separate process against real PostgreSQL (`DATABASE_URL`),
-//! and its dead-letter replay through RabbitMQ (`AMQP_URL`) and Kafka (`KAFKA_BROKERS`).
+//! The `inbox` command line, run as a separate process against real PostgreSQL and MariaDB
+//! (`DATABASE_URL`, `MYSQL_URL`), and its dead-letter replay through RabbitMQ (`AMQP_URL`) and Kafka (`KAFKA_BROKERS`).
 #![cfg(feature = "cli")]
 
 use inbox_test_kit as conformance;
@@ -8,10 +8,10 @@ use std::collections::HashSet;
 use std::process::Output;
 use std::sync::{Arc, Mutex};
 
-use conformance::stores::Postgres;
+use conformance::stores::{MySql, Postgres};
 use conformance::{BrokerFactory, Running, Scenario, Script, eventually, services};
 use inbox::memory::Faults;
-use inbox::{InboxAdmin, PostgresStore};
+use inbox::{InboxAdmin, MySqlStore, PostgresStore};
 use sqlx::Executor;
 
 /// Runs `inbox args…` with `DATABASE_URL = database` (none with `None`) and the broker URLs.
@@ -105,6 +105,12 @@ async fn errors_are_one_line_with_a_non_zero_exit_and_no_password() {
     assert_eq!(text.trim().lines().count(), 1, "{text}");
     assert!(text.starts_with("error: database unavailable"), "{text}");
     assert!(!text.contains("hunter2"), "the password leaked: {text}");
+    let unreachable = inbox(Some("mysql://root:hunter2@127.0.0.1:1/nothing"), &["stats"]).await;
+    assert_eq!(unreachable.status.code(), Some(1));
+    let text = stderr(&unreachable);
+    assert_eq!(text.trim().lines().count(), 1, "{text}");
+    assert!(text.starts_with("error: database unavailable"), "{text}");
+    assert!(!text.contains("hunter2"), "the password leaked: {text}");
 
     let bad_duration = inbox(
         Some("postgres://127.0.0.1/x"),
@@ -164,10 +170,55 @@ column 1', now() - interval '40 days'
     }
 }
 
+/// The same rows as [`seed`], in MySQL's SQL.
+async fn seed_mysql(store: &MySqlStore) {
+    const SERIES: &str =
+        "WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < ?)";
+    let now = "UTC_TIMESTAMP(6)";
+    for (sql, count) in [
+        (format!("INSERT INTO inbox_messages (consumer, message_id, received_at, processed_at)
+          {SERIES} SELECT 'a', CONCAT('old-', n), {now} - INTERVAL 30 DAY, {now} - INTERVAL 30 DAY FROM g"), 1000),
+        (format!("INSERT INTO inbox_messages (consumer, message_id, processed_at)
+          {SERIES} SELECT 'a', CONCAT('new-', n), {now} FROM g"), 10),
+        (format!("INSERT INTO inbox_messages (consumer, message_id, received_at, attempts, last_error)
+          {SERIES} SELECT 'a', CONCAT('failing-', n), {now} - INTERVAL 2 HOUR, 2, 'timeout calling the carrier' FROM g"), 2),
+        (format!("INSERT INTO inbox_messages (consumer, message_id, received_at, attempts, last_error, dead_lettered_at)
+          {SERIES} SELECT 'a', CONCAT('dead-', n), {now} - INTERVAL 40 DAY, 5, 'invalid JSON: expected value at line 1
+column 1', {now} - INTERVAL 40 DAY FROM g"), 3),
+        (format!("INSERT INTO inbox_messages (consumer, message_id, processed_at)
+          {SERIES} SELECT 'b', CONCAT('b-', n), {now} FROM g"), 5),
+    ] {
+        sqlx::query(&sql)
+            .bind(count)
+            .execute(store.pool())
+            .await
+            .expect("seed rows");
+    }
+}
+
 #[tokio::test]
 async fn migrate_stats_cleanup_and_dead_list_on_postgres() {
     let url = Postgres::fresh_url().await;
-    let url = url.as_str();
+    migrate_stats_cleanup_and_dead_list(&url, async {
+        seed(&PostgresStore::connect(&url, 2).await.unwrap()).await
+    })
+    .await;
+}
+
+/// The same commands on MariaDB (`DATABASE_URL=mysql://…`), and with the `mariadb://` scheme.
+#[tokio::test]
+async fn migrate_stats_cleanup_and_dead_list_on_mysql() {
+    let url = MySql::fresh_url().await;
+    migrate_stats_cleanup_and_dead_list(&url, async {
+        seed_mysql(&MySqlStore::connect(&url, 2).await.unwrap()).await
+    })
+    .await;
+    let mariadb = url.replacen("mysql://", "mariadb://", 1);
+    let b = json(&inbox(Some(&mariadb), &["stats", "--consumer", "b", "--json"]).await);
+    assert_eq!(b[0]["rows"], 5);
+}
+
+async fn migrate_stats_cleanup_and_dead_list(url: &str, seed: impl Future<Output = ()>) {
     assert_eq!(
         ok(&inbox(Some(url), &["migrate"]).await).trim(),
         "inbox schema is up to date"
@@ -176,8 +227,7 @@ async fn migrate_stats_cleanup_and_dead_list_on_postgres() {
     ok(&inbox(Some(url), &["migrate"]).await);
     assert_eq!(ok(&inbox(Some(url), &["stats"]).await).trim(), "no rows");
 
-    let store = PostgresStore::connect(url, 2).await.unwrap();
-    seed(&store).await;
+    seed.await;
 
     let table = ok(&inbox(Some(url), &["stats"]).await);
     let lines: Vec<&str> = table.lines().collect();
@@ -252,15 +302,45 @@ async fn migrate_stats_cleanup_and_dead_list_on_postgres() {
 #[tokio::test]
 async fn outbox_stats_dead_list_retry_and_skip_on_postgres() {
     let url = Postgres::fresh_url().await;
-    let url = url.as_str();
-    ok(&inbox(Some(url), &["migrate"]).await);
-    assert_eq!(
-        ok(&inbox(Some(url), &["outbox", "stats"]).await).trim(),
-        "no outbox rows"
-    );
-    let store = PostgresStore::connect(url, 2).await.unwrap();
-    for sql in [
-        // parcels: 3 pending (one keyed behind a dead head), 1 failing, 2 dead heads of keys.
+    outbox_stats_dead_list_retry_and_skip(&url, async {
+        let store = PostgresStore::connect(&url, 2).await.unwrap();
+        for sql in OUTBOX_ROWS {
+            store.pool().execute(sql).await.expect("seed outbox rows");
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn outbox_stats_dead_list_retry_and_skip_on_mysql() {
+    let url = MySql::fresh_url().await;
+    outbox_stats_dead_list_retry_and_skip(&url, async {
+        let store = MySqlStore::connect(&url, 2).await.unwrap();
+        for sql in OUTBOX_ROWS {
+            // The same rows in MySQL's words for the times.
+            let sql = sql
+                .replace(
+                    "now() - interval '3 hours'",
+                    "UTC_TIMESTAMP(6) - INTERVAL 3 HOUR",
+                )
+                .replace(
+                    "now() - interval '2 hours'",
+                    "UTC_TIMESTAMP(6) - INTERVAL 2 HOUR",
+                )
+                .replace("now()", "UTC_TIMESTAMP(6)");
+            store
+                .pool()
+                .execute(sql.as_str())
+                .await
+                .expect("seed outbox rows");
+        }
+    })
+    .await;
+}
+
+/// Outbox rows as a relay would leave them: in `parcels`, 3 pending (one keyed behind a dead
+/// head), 1 failing, 2 dead heads of keys; in `invoices`, one published.
+const OUTBOX_ROWS: [&str; 5] = [
         "INSERT INTO outbox_messages (destination, message_id, ordering_key, payload, created_at)
          VALUES ('parcels', 'p-1', 'k1', '{}', now() - interval '3 hours'),
                 ('parcels', 'p-2', 'k1', '{}', now()),
@@ -274,9 +354,15 @@ async fn outbox_stats_dead_list_retry_and_skip_on_postgres() {
          VALUES ('parcels', 'p-5', 'k5', '{}', 1, 'broker refused', now())",
         "INSERT INTO outbox_messages (destination, message_id, payload, published_at)
          VALUES ('invoices', 'i-1', '{}', now())",
-    ] {
-        store.pool().execute(sql).await.expect("seed outbox rows");
-    }
+];
+
+async fn outbox_stats_dead_list_retry_and_skip(url: &str, seed: impl Future<Output = ()>) {
+    ok(&inbox(Some(url), &["migrate"]).await);
+    assert_eq!(
+        ok(&inbox(Some(url), &["outbox", "stats"]).await).trim(),
+        "no outbox rows"
+    );
+    seed.await;
     let table = ok(&inbox(Some(url), &["outbox", "stats"]).await);
     let lines: Vec<&str> = table.lines().collect();
     assert_eq!(lines.len(), 3, "{table}");

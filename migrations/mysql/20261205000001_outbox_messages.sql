@@ -11,7 +11,7 @@ CREATE TABLE IF NOT EXISTS outbox_messages (
     ordering_key VARBINARY(255) NULL,
     payload      LONGBLOB       NOT NULL,
     -- Header name to value: a JSON string for UTF-8 values, {"hex": "…"} for others.
-    headers      LONGTEXT       CHARACTER SET utf8mb4 COLLATE utf8mb4_unicode_ci NOT NULL,
+    headers      LONGTEXT       CHARACTER SET utf8mb4 COLLATE utf8mb4_unicode_ci NOT NULL DEFAULT ('{}'),
     traceparent  VARCHAR(255)   CHARACTER SET ascii NULL,
     created_at   DATETIME(6)    NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
     -- Not published before this (a failed row's backoff).
