@@ -161,6 +161,7 @@ macro_rules! conformance_suite {
                 error_texts_with_nul_are_stored,
                 store_faults_neither_wedge_nor_stop,
                 dead_letters_the_broker_refuses_wait,
+                store_bookkeeping_answers,
             );
         }
     };

@@ -414,3 +414,92 @@ pub async fn store_faults_neither_wedge_nor_stop<D: TestDb>(
     let row = s.db.row(&s.store, &name, &gate).await.expect("a row");
     assert!(row.dead, "{row:?}");
 }
+
+/// The store's bookkeeping answers, method by method, the same on every database: failures and
+/// delivery counts recorded in their own transactions, what a claim then reads, and that a
+/// processed or dead row is left alone by both. (The engine acts on these numbers: a store that
+/// miscounted would retry a poison message for ever or dead-letter a healthy one.)
+pub async fn store_bookkeeping_answers<D: TestDb>(_brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    use inbox::MessageId;
+    use inbox::store::Claim;
+
+    let store = db.store().await;
+    let c = ConsumerName::new("bookkeeping").unwrap();
+    let id = |s: &str| MessageId::new(s).unwrap();
+    let claimed = |attempts, error: Option<&str>| Claim::Claimed {
+        attempts,
+        last_error: error.map(str::to_owned),
+    };
+
+    // Delivery counts: a new row counts 1, each later one more.
+    assert_eq!(store.record_delivery(&c, &id("d")).await.unwrap(), 1);
+    assert_eq!(store.record_delivery(&c, &id("d")).await.unwrap(), 2);
+
+    // Failures: a new row takes the attempt; later ones one more, or the attempt if higher.
+    assert_eq!(
+        store.record_failure(&c, &id("f"), 1, "e1").await.unwrap(),
+        1
+    );
+    assert_eq!(
+        store.record_failure(&c, &id("f"), 1, "e2").await.unwrap(),
+        2
+    );
+    assert_eq!(
+        store.record_failure(&c, &id("f"), 5, "e3").await.unwrap(),
+        5
+    );
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(
+        store.claim(&mut tx, &c, &id("f")).await.unwrap(),
+        claimed(5, Some("e3"))
+    );
+    assert_eq!(
+        store.claim(&mut tx, &c, &id("d")).await.unwrap(),
+        claimed(0, None)
+    );
+    store.commit(tx).await.unwrap();
+
+    // Processed: a late failure or delivery changes nothing (the failure answers its attempt).
+    assert_eq!(
+        store.record_failure(&c, &id("f"), 6, "late").await.unwrap(),
+        6
+    );
+    assert_eq!(store.record_delivery(&c, &id("f")).await.unwrap(), 0);
+    let row = db.row(&store, &c, "f").await.expect("row f");
+    assert!(row.processed && !row.dead, "{row:?}");
+    assert_eq!((row.attempts, row.last_error.as_deref()), (5, Some("e3")));
+
+    // Dead: claimed as dead, and a second dead mark or a failure changes nothing.
+    store.record_dead(&c, &id("x"), 3, "poison").await.unwrap();
+    store.record_dead(&c, &id("x"), 9, "again").await.unwrap();
+    assert_eq!(
+        store.record_failure(&c, &id("x"), 4, "late").await.unwrap(),
+        4
+    );
+    assert_eq!(store.record_delivery(&c, &id("x")).await.unwrap(), 0);
+    let row = db.row(&store, &c, "x").await.expect("row x");
+    assert!(row.dead && !row.processed, "{row:?}");
+    assert_eq!(
+        (row.attempts, row.last_error.as_deref()),
+        (3, Some("poison"))
+    );
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(
+        store.claim(&mut tx, &c, &id("x")).await.unwrap(),
+        Claim::Dead
+    );
+    store.rollback(tx).await.unwrap();
+
+    // Revived: a fresh budget, the reason kept for the record.
+    assert!(store.revive(&c, &id("x")).await.unwrap());
+    assert!(
+        !store.revive(&c, &id("x")).await.unwrap(),
+        "not dead any more"
+    );
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(
+        store.claim(&mut tx, &c, &id("x")).await.unwrap(),
+        claimed(0, Some("poison"))
+    );
+    store.commit(tx).await.unwrap();
+}
