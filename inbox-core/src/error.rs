@@ -180,7 +180,7 @@ impl From<StoreError> for HandlerError {
     }
 }
 
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 impl From<sqlx::Error> for HandlerError {
     fn from(error: sqlx::Error) -> Self {
         let kind = crate::store::classify(&error);
@@ -195,7 +195,7 @@ impl From<sqlx::Error> for HandlerError {
 /// is [`Unavailable`](StoreError::Unavailable), a deadlock or serialization failure a
 /// [`Conflict`](StoreError::Conflict), anything else permanent. For an application's own
 /// statements in a transaction it also hands to the outbox or the inbox.
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 impl From<sqlx::Error> for StoreError {
     fn from(error: sqlx::Error) -> Self {
         crate::store::store_error(error)

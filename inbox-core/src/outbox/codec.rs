@@ -1,7 +1,10 @@
 //! What the outbox checks on the way in, and how it keeps headers.
 
 // The header codec serves the SQL stores only.
-#![cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+#![cfg_attr(
+    not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+    allow(dead_code)
+)]
 
 use bytes::Bytes;
 use serde_json::{Map, Value};

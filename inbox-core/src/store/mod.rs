@@ -311,6 +311,36 @@ pub fn release_clean<C: sqlx::Connection>(conn: &mut C) -> bool {
     !conn.is_in_transaction()
 }
 
+/// A pooled connection that holds a session-scoped lock (PostgreSQL's advisory locks, MySQL's
+/// named locks: migrations, cleanup). Dropped without [`release`](Self::release) (an error, or
+/// the future cancelled mid-way), it is closed rather than returned to the pool: the lock dies
+/// with the session instead of staying held by an idle pooled connection.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) struct LockedSession<DB: sqlx::Database>(
+    pub(crate) Option<sqlx::pool::PoolConnection<DB>>,
+);
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+impl<DB: sqlx::Database> LockedSession<DB> {
+    pub(crate) fn new(conn: sqlx::pool::PoolConnection<DB>) -> Self {
+        Self(Some(conn))
+    }
+
+    /// The lock is released (or was never taken): back to the pool.
+    pub(crate) fn release(&mut self) {
+        self.0.take();
+    }
+}
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+impl<DB: sqlx::Database> Drop for LockedSession<DB> {
+    fn drop(&mut self) {
+        if let Some(conn) = self.0.take() {
+            drop(conn.detach());
+        }
+    }
+}
+
 /// The batch claim's answer in the order of `ids`, from the rows it returned (id, attempts, last
 /// error); an id without a row was done or dead.
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
@@ -378,6 +408,7 @@ mod sql_errors {
     /// What a MySQL / MariaDB server error means for a retry, by its error number (its SQLSTATE
     /// is too coarse: lock wait timeout and read-only are both HY000).
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     pub(crate) enum MySqlError {
         /// Deadlock (1213, the transaction was rolled back), lock wait timeout (1205), a
         /// statement interrupted or timed out (1317, 1969, 3024): retry.

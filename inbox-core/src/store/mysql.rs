@@ -25,8 +25,8 @@ use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlPoolOptions};
 use sqlx::{MySql, MySqlPool};
 
 use super::{
-    Claim, CleanupReport, ConsumerStats, DeadLetter, InboxAdmin, InboxStore, storable_error,
-    store_error,
+    Claim, CleanupReport, ConsumerStats, DeadLetter, InboxAdmin, InboxStore, LockedSession,
+    storable_error, store_error,
 };
 use crate::error::StoreError;
 use crate::id::{ConsumerName, MessageId};
@@ -47,25 +47,6 @@ pub(crate) const BEGIN: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; 
 /// READ WRITE is the default.
 const STILL_IN_TRANSACTION: &str = "SET TRANSACTION READ WRITE";
 const ER_CANT_CHANGE_TX_CHARACTERISTICS: u16 = 1568;
-
-/// A pooled connection that holds a named lock (migrations, cleanup). Dropped without
-/// [`release`](Self::release), it is closed rather than returned to the pool, so the lock dies
-/// with the session instead of staying held by an idle pooled connection.
-struct LockedSession(Option<sqlx::pool::PoolConnection<MySql>>);
-
-impl LockedSession {
-    fn release(&mut self) {
-        self.0.take();
-    }
-}
-
-impl Drop for LockedSession {
-    fn drop(&mut self) {
-        if let Some(conn) = self.0.take() {
-            drop(conn.detach());
-        }
-    }
-}
 
 /// The inbox on MySQL or MariaDB.
 #[derive(Debug, Clone)]
@@ -521,8 +502,8 @@ impl MySqlStore {
         &self,
         name: &str,
         wait: Duration,
-    ) -> Result<Option<LockedSession>, StoreError> {
-        let mut held = LockedSession(Some(self.pool.acquire().await.map_err(store_error)?));
+    ) -> Result<Option<LockedSession<MySql>>, StoreError> {
+        let mut held = LockedSession::new(self.pool.acquire().await.map_err(store_error)?);
         let conn = held.0.as_mut().expect("just set");
         let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, ?)")
             .bind(name)
@@ -540,7 +521,7 @@ impl MySqlStore {
 
     /// Releases the named lock and returns the connection to the pool (or closes it, if the
     /// release failed).
-    async fn unlock_session(mut held: LockedSession, name: &str) {
+    async fn unlock_session(mut held: LockedSession<MySql>, name: &str) {
         let Some(conn) = held.0.as_mut() else { return };
         let unlocked = sqlx::query("SELECT RELEASE_LOCK(?)")
             .bind(name)

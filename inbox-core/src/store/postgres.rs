@@ -7,8 +7,8 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Postgres};
 
 use super::{
-    Claim, CleanupReport, ConsumerStats, DeadLetter, InboxAdmin, InboxStore, storable_error,
-    store_error,
+    Claim, CleanupReport, ConsumerStats, DeadLetter, InboxAdmin, InboxStore, LockedSession,
+    storable_error, store_error,
 };
 use crate::error::StoreError;
 use crate::id::{ConsumerName, MessageId};
@@ -19,27 +19,6 @@ pub type PgTx = sqlx::Transaction<'static, Postgres>;
 /// Session advisory lock keys: one for migrations, one for cleanup ("inbox" + a number).
 const MIGRATE_LOCK: i64 = 0x696e_626f_7800_0001;
 const CLEANUP_LOCK: i64 = 0x696e_626f_7800_0002;
-
-/// A pooled connection that holds a session advisory lock (migrations, cleanup). Dropped without
-/// [`release`](Self::release) (an error, or the future cancelled mid-way), it is closed rather
-/// than returned to the pool: the lock dies with the session instead of staying held by an idle
-/// pooled connection.
-struct LockedSession(Option<sqlx::pool::PoolConnection<Postgres>>);
-
-impl LockedSession {
-    /// The lock is released (or was never taken): back to the pool.
-    fn release(&mut self) {
-        self.0.take();
-    }
-}
-
-impl Drop for LockedSession {
-    fn drop(&mut self) {
-        if let Some(conn) = self.0.take() {
-            drop(conn.detach());
-        }
-    }
-}
 
 /// The inbox on PostgreSQL.
 #[derive(Debug, Clone)]
@@ -401,7 +380,7 @@ impl InboxStore for PostgresStore {
 #[async_trait]
 impl InboxAdmin for PostgresStore {
     async fn migrate(&self) -> Result<(), StoreError> {
-        let mut held = LockedSession(Some(self.pool.acquire().await.map_err(store_error)?));
+        let mut held = LockedSession::new(self.pool.acquire().await.map_err(store_error)?);
         let conn = held.0.as_mut().expect("just set");
         sqlx::query("SELECT pg_advisory_lock($1)")
             .bind(MIGRATE_LOCK)
@@ -467,7 +446,7 @@ impl InboxAdmin for PostgresStore {
         batch_size: u32,
         progress: &(dyn Fn(u64) + Send + Sync),
     ) -> Result<CleanupReport, StoreError> {
-        let mut held = LockedSession(Some(self.pool.acquire().await.map_err(store_error)?));
+        let mut held = LockedSession::new(self.pool.acquire().await.map_err(store_error)?);
         let conn = held.0.as_mut().expect("just set");
         let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
             .bind(CLEANUP_LOCK)
