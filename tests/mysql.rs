@@ -201,7 +201,8 @@ mod claims {
 
     /// A deadlock rolls back the victim's whole transaction and the session carries on in
     /// autocommit mode. A handler that swallows the error must not get its claim "committed":
-    /// the commit finds the transaction gone and fails transiently, so the message is retried.
+    /// the commit finds the transaction gone and fails transiently, so the message is retried;
+    /// in a batch, releasing the message's savepoint fails first.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_swallowed_deadlock_is_caught_at_commit() {
         let store = MySql.store().await;
@@ -215,6 +216,9 @@ mod claims {
         let thread_a = thread_of(&mut a).await;
         store.claim(&mut a, &consumer, &one).await.unwrap();
         store.claim(&mut b, &consumer, &two).await.unwrap();
+        // As in a batch: each next message's work inside a savepoint.
+        store.savepoint(&mut a).await.unwrap();
+        store.savepoint(&mut b).await.unwrap();
         // Each now wants the other's row: one of them is chosen as the victim.
         let a_wants_two = tokio::spawn({
             let (store, consumer, two) = (store.clone(), consumer.clone(), two.clone());
@@ -241,6 +245,13 @@ mod claims {
         // The victim's handler swallowed the error and wrote on; the commit must refuse.
         let mut tx = victim.0;
         sqlx::query("SELECT 1").execute(&mut *tx).await.unwrap();
+        // In a batch, releasing the message's savepoint already says so, before the next
+        // handler could run in autocommit mode.
+        let released = store.release_savepoint(&mut tx).await;
+        assert!(
+            matches!(released, Err(StoreError::Aborted(_))),
+            "the savepoint went with the transaction: {released:?}"
+        );
         let refused = store.commit(tx).await;
         assert!(
             matches!(refused, Err(StoreError::Aborted(_))),

@@ -124,11 +124,8 @@ impl OutboxStore for MySqlStore {
         );
         // No UPDATE … WHERE id IN (SELECT … FROM the same table) on MySQL: the rows are picked
         // and locked first, then leased, in one short transaction.
-        let mut tx = self
-            .pool()
-            .begin_with(crate::store::mysql::BEGIN)
-            .await
-            .map_err(store_error)?;
+        // `begin` runs on a task of its own: never cancelled half-way (see the store).
+        let mut tx = crate::InboxStore::begin(self).await?;
         let rows: Vec<Row> = sqlx::query_as(CLAIM)
             .bind(i64::from(limit))
             .fetch_all(&mut *tx)
@@ -208,11 +205,8 @@ impl OutboxStore for MySqlStore {
         token: &str,
         failures: &[PublishFailure],
     ) -> Result<(), StoreError> {
-        let mut tx = self
-            .pool()
-            .begin_with(crate::store::mysql::BEGIN)
-            .await
-            .map_err(store_error)?;
+        // `begin` runs on a task of its own: never cancelled half-way (see the store).
+        let mut tx = crate::InboxStore::begin(self).await?;
         for failure in failures {
             sqlx::query(
                 "UPDATE outbox_messages
@@ -315,6 +309,9 @@ impl OutboxStore for MySqlStore {
     }
 
     async fn outbox_cleanup(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError> {
+        // READ COMMITTED transactions of their own: under REPEATABLE READ (a pool the
+        // application hands in) these range deletes would take gap locks that block senders.
+        let mut tx = crate::InboxStore::begin(self).await?;
         let done = sqlx::query(
             "DELETE FROM outbox_messages
              WHERE published_at IS NOT NULL
@@ -323,9 +320,11 @@ impl OutboxStore for MySqlStore {
         )
         .bind(older_than.as_micros().min(i64::MAX as u128) as i64)
         .bind(i64::from(limit))
-        .execute(self.pool())
+        .execute(&mut *tx)
         .await
         .map_err(store_error)?;
+        tx.commit().await.map_err(store_error)?;
+        let mut tx = crate::InboxStore::begin(self).await?;
         // Lock rows of keys with nothing pending. Safe whatever this statement reads: a key row
         // only orders writers that overlap, and one deleted under a finished writer is inserted
         // again by the next.
@@ -338,9 +337,10 @@ impl OutboxStore for MySqlStore {
              LIMIT ?",
         )
         .bind(i64::from(limit))
-        .execute(self.pool())
+        .execute(&mut *tx)
         .await
         .map_err(store_error)?;
+        tx.commit().await.map_err(store_error)?;
         Ok(done.rows_affected())
     }
 }

@@ -286,6 +286,24 @@ impl<S: OutboxStore> Relay<S> {
         Ok(report)
     }
 
+    /// Marks a published batch. A conflict (InnoDB reports deadlocks between the mark's
+    /// `DELETE` and concurrent claims) is retried at once a few times: the mark is idempotent,
+    /// and giving up would leave the rows to be published again once their lease lapses.
+    async fn mark(&self, token: &str, ids: &[i64]) -> Result<u64, StoreError> {
+        let keep = self.retention > Duration::ZERO;
+        let mut tries = 0;
+        loop {
+            match self.outbox.store.mark_published(token, ids, keep).await {
+                Err(StoreError::Conflict(e)) if tries < 5 => {
+                    tries += 1;
+                    tracing::debug!(error = %e, tries, "outbox mark: conflict; trying again");
+                    tokio::time::sleep(Duration::from_millis(5 * tries)).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
     /// Claims, publishes and marks one batch. Returns how many rows it published; zero when
     /// there was nothing to claim (or nothing went out).
     pub async fn run_once(&self) -> Result<usize, StoreError> {
@@ -371,9 +389,7 @@ impl<S: OutboxStore> Relay<S> {
         let marked = if ids.is_empty() {
             0
         } else {
-            store
-                .mark_published(&token, &ids, self.retention > Duration::ZERO)
-                .await?
+            self.mark(&token, &ids).await?
         };
         let fenced = ids.len() as u64 - marked.min(ids.len() as u64);
         if fenced > 0 {

@@ -413,9 +413,10 @@ mod sql_errors {
         /// Deadlock (1213, the transaction was rolled back), lock wait timeout (1205), a
         /// statement interrupted or timed out (1317, 1969, 3024): retry.
         Conflict,
-        /// The server not there for us: too many connections (1040), shutting down (1053),
-        /// connection killed (1927, 4031), read-only (1290 with --read-only, 1836, 1792 — a
-        /// replica, or a primary being switched over).
+        /// The server not there for us: too many connections (1040, 1203), out of memory
+        /// (1041), a resource limit (1226), too many prepared statements (1461), shutting
+        /// down (1053), connection killed (1927, 4031), read-only (1290 with --read-only, 1836,
+        /// 1792 — a replica, or a primary being switched over).
         Gone,
         /// Anything else: data errors, unknown tables, constraint violations.
         Permanent,
@@ -428,7 +429,9 @@ mod sql_errors {
         if let Some(e) = error.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
             return Some(match e.number() {
                 1205 | 1213 | 1317 | 1969 | 3024 => MySqlError::Conflict,
-                1040 | 1053 | 1927 | 4031 | 1290 | 1836 | 1792 => MySqlError::Gone,
+                1040 | 1053 | 1927 | 4031 | 1290 | 1836 | 1792 | 1041 | 1203 | 1226 | 1461 => {
+                    MySqlError::Gone
+                }
                 _ => MySqlError::Permanent,
             });
         }

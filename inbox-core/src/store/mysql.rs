@@ -11,8 +11,9 @@
 //! - **A deadlock rolls back the whole transaction**, and the session carries on in autocommit
 //!   mode: a handler that swallowed error 1213 would have its later writes committed one by one
 //!   and the final `COMMIT` would succeed with nothing in it — the claim gone, the message acked.
-//!   [`commit`](InboxStore::commit) checks first that the transaction is still open (see
-//!   [`STILL_IN_TRANSACTION`]).
+//!   [`commit`](InboxStore::commit) checks first that the transaction is still open, and in a
+//!   batch each message's savepoint is released explicitly, which fails once the transaction is
+//!   gone — before the next handler can run in autocommit mode.
 //! - **Isolation is per transaction.** InnoDB defaults to REPEATABLE READ, under which a read
 //!   after waiting on a row lock can see an old snapshot; every transaction this store begins is
 //!   READ COMMITTED, whatever the pool's sessions were set to.
@@ -34,12 +35,17 @@ use crate::id::{ConsumerName, MessageId};
 /// The transaction a MySQL consumer's handler writes through.
 pub type MySqlTx = sqlx::Transaction<'static, MySql>;
 
-/// Named locks (`GET_LOCK`, server-wide, held by a session): migrations and cleanup.
-const MIGRATE_LOCK: &str = "inbox.migrate";
-const CLEANUP_LOCK: &str = "inbox.cleanup";
+/// Named locks (`GET_LOCK`, held by a session): migrations and cleanup. Their names are
+/// server-wide, so the database's name (hashed, to stay within 64 characters) is added: two
+/// schemas on one server do not share them.
+const MIGRATE_LOCK: &str = "inbox.migrate.";
+const CLEANUP_LOCK: &str = "inbox.cleanup.";
 
 /// Sent as one request: the isolation applies to the transaction it opens only.
 pub(crate) const BEGIN: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
+
+/// `RELEASE SAVEPOINT` of a savepoint that no longer exists: the transaction was rolled back.
+const ER_SP_DOES_NOT_EXIST: u16 = 1305;
 
 /// The probe [`commit`](InboxStore::commit) sends first. Changing the characteristics of the
 /// transaction is refused (error 1568) while one is open, on MySQL and MariaDB alike; accepted,
@@ -79,9 +85,11 @@ impl MySqlStore {
             .test_before_acquire(false)
             .after_connect(|conn, _| {
                 Box::pin(async move {
+                    // autocommit on: the store's own single statements (failures, dead marks,
+                    // outbox marks) must commit by themselves.
                     sqlx::Executor::execute(
                         conn,
-                        "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
+                        "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED; SET autocommit = 1",
                     )
                     .await
                     .map(drop)
@@ -216,7 +224,9 @@ impl InboxStore for MySqlStore {
              ON DUPLICATE KEY UPDATE attempts = attempts",
             placeholders(sorted.len(), "(?, ?, UTC_TIMESTAMP(6))")
         );
-        let mut query = sqlx::query(&lock);
+        // Not prepared: each batch size is a statement of its own, and prepared ones would
+        // pile up against the server's max_prepared_stmt_count.
+        let mut query = sqlx::query(&lock).persistent(false);
         for id in &sorted {
             query = query.bind(consumer.as_str()).bind(*id);
         }
@@ -228,7 +238,9 @@ impl InboxStore for MySqlStore {
                AND processed_at IS NULL AND dead_lettered_at IS NULL",
             placeholders(sorted.len(), "?")
         );
-        let mut query = sqlx::query_as(&select).bind(consumer.as_str());
+        let mut query = sqlx::query_as(&select)
+            .persistent(false)
+            .bind(consumer.as_str());
         for id in &sorted {
             query = query.bind(*id);
         }
@@ -241,7 +253,7 @@ impl InboxStore for MySqlStore {
                  WHERE consumer = ? AND message_id IN ({})",
                 placeholders(free.len(), "?")
             );
-            let mut query = sqlx::query(&take).bind(consumer.as_str());
+            let mut query = sqlx::query(&take).persistent(false).bind(consumer.as_str());
             for (id, _, _) in &free {
                 query = query.bind(id.as_slice());
             }
@@ -271,9 +283,21 @@ impl InboxStore for MySqlStore {
             .map_err(store_error)
     }
 
-    async fn release_savepoint(&self, _tx: &mut MySqlTx) -> Result<(), StoreError> {
-        // Nothing to send: the next message's SAVEPOINT replaces this one, COMMIT keeps it.
-        Ok(())
+    async fn release_savepoint(&self, tx: &mut MySqlTx) -> Result<(), StoreError> {
+        // Sent, unlike on PostgreSQL, for what it proves: a deadlock that a handler swallowed
+        // rolled back the whole batch and left the session in autocommit mode, where the next
+        // handler's writes would commit one by one. The savepoint is gone with the transaction,
+        // so this fails there and the batch goes the per-message way.
+        match sqlx::query("RELEASE SAVEPOINT inbox_message")
+            .execute(&mut **tx)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) if mysql_number(&e) == Some(ER_SP_DOES_NOT_EXIST) => {
+                Err(StoreError::Aborted(Box::new(e)))
+            }
+            Err(e) => Err(store_error(e)),
+        }
     }
 
     async fn release_claim(
@@ -334,13 +358,15 @@ impl InboxStore for MySqlStore {
                 Err(store_error(e))
             }
             Ok(_) => {
-                // Rolled back under us (a deadlock whose error the handler swallowed); what
-                // ran after it was autocommitted statement by statement. Nothing of the claim
-                // is left: the message must be handled again, not acked.
+                // Ended under us: rolled back by a deadlock whose error the handler swallowed
+                // (what ran after it was autocommitted statement by statement), or committed by
+                // a statement that commits implicitly (DDL, LOCK TABLES, START TRANSACTION),
+                // which handlers must not run. The message must be handled again, not acked.
                 let _ = tx.rollback().await;
                 Err(StoreError::Aborted(
-                    "the transaction was rolled back by the server (a deadlock or lock wait \
-                     timeout whose error was not returned); nothing of it was committed"
+                    "the transaction had ended before its commit: rolled back by the server (a \
+                     deadlock whose error was not returned) or committed early by a statement \
+                     that commits implicitly"
                         .into(),
                 ))
             }
@@ -367,9 +393,9 @@ impl InboxStore for MySqlStore {
              VALUES (?, ?, UTC_TIMESTAMP(6), ?, ?)
              ON DUPLICATE KEY UPDATE
                attempts = IF(processed_at IS NULL AND dead_lettered_at IS NULL,
-                             GREATEST(attempts + 1, ?), attempts),
-               last_error = IF(LAST_INSERT_ID(IF(processed_at IS NULL AND dead_lettered_at IS NULL,
-                                                 attempts + 1, 1)) > 1, ?, last_error)",
+                             LAST_INSERT_ID(GREATEST(attempts + 1, ?) + 1) - 1,
+                             attempts + 0 * LAST_INSERT_ID(1)),
+               last_error = IF(processed_at IS NULL AND dead_lettered_at IS NULL, ?, last_error)",
         )
         .bind(consumer.as_str())
         .bind(id.as_str())
@@ -398,8 +424,8 @@ impl InboxStore for MySqlStore {
             "INSERT INTO inbox_messages (consumer, message_id, received_at, unfinished)
              VALUES (?, ?, UTC_TIMESTAMP(6), 1)
              ON DUPLICATE KEY UPDATE unfinished = IF(
-               LAST_INSERT_ID(IF(processed_at IS NULL AND dead_lettered_at IS NULL,
-                                 unfinished + 2, 1)) > 1, unfinished + 1, unfinished)",
+               processed_at IS NULL AND dead_lettered_at IS NULL,
+               LAST_INSERT_ID(unfinished + 2) - 1, unfinished + 0 * LAST_INSERT_ID(1))",
         )
         .bind(consumer.as_str())
         .bind(id.as_str())
@@ -505,7 +531,7 @@ impl MySqlStore {
     ) -> Result<Option<LockedSession<MySql>>, StoreError> {
         let mut held = LockedSession::new(self.pool.acquire().await.map_err(store_error)?);
         let conn = held.0.as_mut().expect("just set");
-        let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, ?)")
+        let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(CONCAT(?, MD5(DATABASE())), ?)")
             .bind(name)
             .bind(wait.as_secs() as i64)
             .fetch_one(&mut **conn)
@@ -523,7 +549,7 @@ impl MySqlStore {
     /// release failed).
     async fn unlock_session(mut held: LockedSession<MySql>, name: &str) {
         let Some(conn) = held.0.as_mut() else { return };
-        let unlocked = sqlx::query("SELECT RELEASE_LOCK(?)")
+        let unlocked = sqlx::query("SELECT RELEASE_LOCK(CONCAT(?, MD5(DATABASE())))")
             .bind(name)
             .execute(&mut **conn)
             .await;
@@ -617,6 +643,12 @@ impl InboxAdmin for MySqlStore {
                 // Autocommitted, one bounded batch at a time, oldest first along the
                 // processed_at index. A row a duplicate's claim holds is waited for (a claim's
                 // transaction is short); InnoDB has no SKIP LOCKED for DELETE.
+                // In a READ COMMITTED transaction of its own: under the REPEATABLE READ a pool
+                // the application hands in may have, the range delete would take gap locks
+                // that block inserts of new rows.
+                let mut tx = sqlx::Connection::begin_with(&mut **conn, BEGIN)
+                    .await
+                    .map_err(store_error)?;
                 let deleted = sqlx::query(
                     "DELETE FROM inbox_messages
                      WHERE processed_at IS NOT NULL
@@ -625,10 +657,11 @@ impl InboxAdmin for MySqlStore {
                 )
                 .bind(older_than.as_micros().min(i64::MAX as u128) as i64)
                 .bind(batch)
-                .execute(&mut **conn)
+                .execute(&mut *tx)
                 .await
                 .map_err(store_error)?
                 .rows_affected();
+                tx.commit().await.map_err(store_error)?;
                 report.deleted += deleted;
                 report.batches += 1;
                 progress(report.deleted);
