@@ -249,3 +249,93 @@ pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     }
     text
 }
+
+/// The URL without its password, for logs and errors (every transport and the CLI use it). Also for malformed ones: in
+/// `amqp:user:pw@host` (no `//`) everything between the scheme and the last `@` may be secret.
+pub fn redact_url(uri: &str) -> String {
+    let Some(at) = uri.rfind('@') else {
+        return uri.to_owned();
+    };
+    let start = match (uri.find("://"), uri.find(':')) {
+        (Some(scheme), _) => scheme + 3,
+        (None, Some(colon)) => colon + 1,
+        (None, None) => 0,
+    };
+    if at < start {
+        return uri.to_owned();
+    }
+    match uri[start..at].split_once(':') {
+        Some((user, _)) => format!("{}{user}:***{}", &uri[..start], &uri[at..]),
+        None if uri.find("://").is_some() => uri.to_owned(),
+        None => format!("{}***{}", &uri[..start], &uri[at..]),
+    }
+}
+
+/// Whether `error` or one of its sources says the database is unreachable (a
+/// [`StoreError::Unavailable`], or a sqlx error the stores would report as one): a handler's
+/// statement or a commit that failed because of an outage, which the consumer reports once per
+/// interval, not once per message.
+pub(crate) fn store_unavailable(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if let Some(store) = e.downcast_ref::<StoreError>() {
+            return matches!(store, StoreError::Unavailable(_));
+        }
+        #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+        if let Some(sql) = e.downcast_ref::<sqlx::Error>() {
+            return crate::store::category(sql) == crate::store::Category::Unavailable;
+        }
+        next = e.source();
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_outage_is_recognised_through_a_handler_error() {
+        let io = || std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "connection closed");
+        let down = HandlerError::from(StoreError::Unavailable(Box::new(io())));
+        assert!(store_unavailable(down.inner()));
+        let conflict = HandlerError::from(StoreError::Conflict(Box::new(io())));
+        assert!(!store_unavailable(conflict.inner()));
+        assert!(!store_unavailable(HandlerError::transient(io()).inner()));
+        #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+        {
+            assert!(store_unavailable(
+                HandlerError::from(sqlx::Error::Io(io())).inner()
+            ));
+            assert!(store_unavailable(
+                HandlerError::from(sqlx::Error::PoolTimedOut).inner()
+            ));
+            let not_found = HandlerError::from(sqlx::Error::RowNotFound);
+            assert!(!store_unavailable(not_found.inner()));
+        }
+    }
+}
+
+#[cfg(test)]
+mod redact_tests {
+    use super::redact_url as redact;
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(
+            redact("amqp://guest:secret@host:5672/%2f"),
+            "amqp://guest:***@host:5672/%2f"
+        );
+        assert_eq!(redact("amqp://host:5672"), "amqp://host:5672");
+        // Malformed (no `//`): what stands between the scheme and the last `@` is hidden.
+        assert_eq!(
+            redact("amqp:guest:s3cret@rabbit/%2f"),
+            "amqp:guest:***@rabbit/%2f"
+        );
+        assert_eq!(redact("amqp:s3cret@rabbit"), "amqp:***@rabbit");
+        assert_eq!(
+            redact("amqp://gu:est:s3c@ret@host/%2f"),
+            "amqp://gu:***@host/%2f"
+        );
+    }
+}

@@ -33,7 +33,7 @@ pub use consumer::{
 };
 pub use error::{
     BoxError, ConsumerError, ErrorKind, HandlerError, InvalidName, StoreError, TransportError,
-    error_chain,
+    error_chain, redact_url,
 };
 pub use handler::Handler;
 pub use id::{

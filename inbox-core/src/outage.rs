@@ -29,7 +29,12 @@ struct State {
     failures: u64,
     /// Failures not yet reported in a log line.
     unlogged: u64,
+    /// The last warning about this dependency, kept across outages: a dependency that flaps
+    /// (a server closing its connections one by one while it shuts down, or up and down again
+    /// within seconds) is reported once per interval, not once per flap.
     last_log: Option<Instant>,
+    /// This outage has been reported (else its end is not worth a line either).
+    reported: bool,
     /// A task is sleeping before it probes again: the others wait for the outcome.
     probing: bool,
     delays: Box<dyn Iterator<Item = Duration> + Send>,
@@ -47,6 +52,7 @@ impl Outage {
                 failures: 0,
                 unlogged: 0,
                 last_log: None,
+                reported: false,
                 probing: false,
                 delays,
             }),
@@ -144,39 +150,61 @@ impl Outage {
         }
         let mut state = self.lock();
         if let Some(since) = state.down_since.take() {
-            tracing::info!(
-                down_for = ?since.elapsed(),
-                failures = state.failures,
-                "{} reachable again; taking deliveries", self.what
-            );
+            if state.reported {
+                tracing::info!(
+                    down_for = ?since.elapsed(),
+                    failures = state.failures,
+                    "{} reachable again; taking deliveries", self.what
+                );
+            } else {
+                tracing::debug!(
+                    down_for = ?since.elapsed(),
+                    failures = state.failures,
+                    "{} reachable again after a failure within the log interval", self.what
+                );
+            }
         }
         state.failures = 0;
         state.unlogged = 0;
-        state.last_log = None;
+        state.reported = false;
         state.probing = false;
         state.delays = Box::new(self.policy.delays());
         drop(state);
         self.up.send_replace(true);
     }
 
-    fn count(&self, state: &mut State, error: &dyn std::fmt::Display) {
+    /// A failure of an operation that does not wait for the dependency (a handler's statement
+    /// or a commit that failed with it): counted and reported like the others, once per
+    /// interval. Whoever touches the dependency next probes it. True when it was logged.
+    pub(crate) fn note(&self, error: &(dyn std::fmt::Display + Sync)) -> bool {
+        let mut state = self.lock();
+        self.count(&mut state, error)
+    }
+
+    /// Counts a failure; logs at the start of an outage and at most once per interval. True
+    /// when it logged.
+    fn count(&self, state: &mut State, error: &dyn std::fmt::Display) -> bool {
         state.failures += 1;
         state.unlogged += 1;
         let now = Instant::now();
-        if state.down_since.is_none() {
+        let due = state
+            .last_log
+            .is_none_or(|last| now.duration_since(last) >= self.log_every);
+        let starts = state.down_since.is_none();
+        if starts {
             state.down_since = Some(now);
             self.up.send_replace(false);
+        }
+        if !due {
+            return false;
+        }
+        if starts {
             tracing::warn!(
                 error = %error,
                 "{} unavailable; pausing deliveries and retrying with backoff (up to {:?} apart)",
                 self.what, self.policy.max_delay
             );
-            state.unlogged = 0;
-            state.last_log = Some(now);
-        } else if state
-            .last_log
-            .is_none_or(|last| now.duration_since(last) >= self.log_every)
-        {
+        } else {
             tracing::warn!(
                 error = %error,
                 down_for = ?state.down_since.map(|s| now.duration_since(s)).unwrap_or_default(),
@@ -184,9 +212,11 @@ impl Outage {
                 since_last_log = state.unlogged,
                 "{} still unavailable", self.what
             );
-            state.unlogged = 0;
-            state.last_log = Some(now);
         }
+        state.unlogged = 0;
+        state.last_log = Some(now);
+        state.reported = true;
+        true
     }
 }
 
@@ -320,6 +350,36 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(5)).await;
         assert!(main_loop.is_finished(), "the main loop probes itself");
         assert!(main_loop.await.unwrap());
+    }
+
+    /// One line per interval however the failures come: from many tasks at once, or from a
+    /// dependency that flaps (an operation succeeds on a connection the server has not closed
+    /// yet, between failures on those it has).
+    #[tokio::test(start_paused = true)]
+    async fn flapping_is_reported_once_per_interval() {
+        let outage = Outage::new(
+            "test store",
+            RetryPolicy::default(),
+            Duration::from_secs(10),
+        );
+        assert!(outage.note(&"down"), "the start of an outage is reported");
+        assert!(!outage.is_up());
+        assert!(!outage.note(&"down"), "a second failure at once is not");
+        outage.succeeded();
+        assert!(outage.is_up());
+        assert!(
+            !outage.note(&"down again"),
+            "an outage that starts within the interval is reported at its end"
+        );
+        assert!(!outage.is_up(), "but the gate closes at once");
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(outage.note(&"still down"), "the interval is up");
+        outage.succeeded();
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(
+            outage.note(&"down"),
+            "a later outage is reported at its start"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -12,6 +12,7 @@ use lapin::types::ShortString;
 use lapin::{Channel, Connection, ConnectionProperties};
 
 use crate::RabbitMqTransport;
+pub(crate) use inbox_core::redact_url as redact;
 
 /// Connection state, replaced when a connection dies. Publishing has a connection of its own
 /// (RabbitMQ blocks a publishing connection under a memory or disk alarm, and a connection that
@@ -22,27 +23,6 @@ pub(crate) struct Link {
     publishing: Option<Arc<Connection>>,
     publisher: Option<Channel>,
     pub(crate) declared: HashSet<String>,
-}
-
-/// The URL without its password, for logs and errors. Also for malformed ones: in
-/// `amqp:user:pw@host` (no `//`) everything between the scheme and the last `@` may be secret.
-pub fn redact(uri: &str) -> String {
-    let Some(at) = uri.rfind('@') else {
-        return uri.to_owned();
-    };
-    let start = match (uri.find("://"), uri.find(':')) {
-        (Some(scheme), _) => scheme + 3,
-        (None, Some(colon)) => colon + 1,
-        (None, None) => 0,
-    };
-    if at < start {
-        return uri.to_owned();
-    }
-    match uri[start..at].split_once(':') {
-        Some((user, _)) => format!("{}{user}:***{}", &uri[..start], &uri[at..]),
-        None if uri.find("://").is_some() => uri.to_owned(),
-        None => format!("{}***{}", &uri[..start], &uri[at..]),
-    }
 }
 
 pub(crate) fn short(value: &str) -> Result<ShortString, TransportError> {
@@ -178,29 +158,5 @@ impl RabbitMqTransport {
         link.publisher = Some(channel.clone());
         link.declared.clear();
         Ok(channel)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn passwords_are_redacted() {
-        assert_eq!(
-            redact("amqp://guest:secret@host:5672/%2f"),
-            "amqp://guest:***@host:5672/%2f"
-        );
-        assert_eq!(redact("amqp://host:5672"), "amqp://host:5672");
-        // Malformed (no `//`): what stands between the scheme and the last `@` is hidden.
-        assert_eq!(
-            redact("amqp:guest:s3cret@rabbit/%2f"),
-            "amqp:guest:***@rabbit/%2f"
-        );
-        assert_eq!(redact("amqp:s3cret@rabbit"), "amqp:***@rabbit");
-        assert_eq!(
-            redact("amqp://gu:est:s3c@ret@host/%2f"),
-            "amqp://gu:***@host/%2f"
-        );
     }
 }

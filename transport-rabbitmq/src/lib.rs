@@ -33,6 +33,6 @@ mod topology;
 mod transport;
 
 pub use config::{QueueType, RabbitMqConfig, quarantine_name, queue_name};
-pub use connection::redact;
 pub use delivery::RabbitDelivery;
+pub use inbox_core::redact_url as redact;
 pub use transport::RabbitMqTransport;

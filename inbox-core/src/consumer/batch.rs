@@ -91,7 +91,12 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
                     // The batch's transaction is gone (rolled back, or its commit's outcome is
                     // unknown): every message goes the per-message way, which waits out an
                     // outage and finds what did commit.
-                    tracing::warn!(error = %e, "batch failed; handling its messages one by one");
+                    if matches!(e, StoreError::Unavailable(_)) {
+                        tracing::debug!(error = %e, "batch failed; handling its messages one by one");
+                        self.store_outage.note(&e);
+                    } else {
+                        tracing::warn!(error = %e, "batch failed; handling its messages one by one");
+                    }
                     self.count(Event::BatchFallback);
                     let all = entries.into_iter().map(|(d, _)| d).chain(later).collect();
                     return self.settle_one_by_one(all).await;
@@ -217,7 +222,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
                 Err(failure) => {
                     self.store.rollback_to_savepoint(&mut tx).await?;
                     self.count(Event::Failed);
-                    tracing::warn!(message_id = %id, attempt, error = %failure.reason, "attempt failed in a batch");
+                    self.log_attempt_failed(&failure, attempt, Some(id));
                     if failure.kind == ErrorKind::Permanent
                         && self
                             .publish_dead_letter(&**delivery, Some(id), attempt, &failure.reason)

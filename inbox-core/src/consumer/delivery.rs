@@ -10,7 +10,9 @@ use super::dead_letter::dead_letter_headers;
 use super::decision::{self, AfterFailure, Facts, Limits, OnClaim, Then};
 use super::run::{next_delay, sleep_unless_stopped};
 use super::tally::Event;
-use crate::error::{ConsumerError, ErrorKind, HandlerError, StoreError, error_chain};
+use crate::error::{
+    ConsumerError, ErrorKind, HandlerError, StoreError, error_chain, store_unavailable,
+};
 use crate::handler::Handler;
 use crate::id::MessageId;
 use crate::message::Message;
@@ -22,6 +24,8 @@ use crate::transport::Delivery;
 pub(super) struct Failure {
     pub(super) kind: ErrorKind,
     pub(super) reason: String,
+    /// The database was unreachable: the outage, not the message, made the attempt fail.
+    pub(super) store_down: bool,
 }
 
 impl Failure {
@@ -29,6 +33,7 @@ impl Failure {
         Self {
             kind: ErrorKind::Transient,
             reason: reason.into(),
+            store_down: false,
         }
     }
 }
@@ -38,6 +43,7 @@ impl From<HandlerError> for Failure {
         Self {
             kind: e.kind(),
             reason: error_chain(e.inner()),
+            store_down: store_unavailable(e.inner()),
         }
     }
 }
@@ -229,12 +235,14 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
                             "the handler returned Ok, but a statement in its transaction had failed (an error swallowed?), so nothing was committed: {}",
                             error_chain(&e)
                         ),
+                        store_down: false,
                     },
                     // The commit may or may not have happened: retry; a redelivery finds the row
                     // if it did.
                     Err(e) => Failure {
                         kind: e.kind(),
                         reason: format!("commit failed (outcome unknown): {}", error_chain(&e)),
+                        store_down: matches!(e, StoreError::Unavailable(_)),
                     },
                 },
                 Err(failure) => {
@@ -259,7 +267,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
                 }
                 AfterFailure::Record(then) => then,
             };
-            tracing::warn!(attempt, error = %failure.reason, "attempt failed");
+            self.log_attempt_failed(&failure, attempt, None);
             let recorded = self
                 .retry_store(|| {
                     self.store
@@ -301,6 +309,25 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
                     return Ok(Outcome::Requeued);
                 }
             }
+        }
+    }
+
+    /// An attempt's failure in the log: a warning of its own, unless the database was
+    /// unreachable — then the outage is what failed, and its gate reports all such failures
+    /// once per interval instead of once per message in flight.
+    /// `in_batch`: the message's id, which a batch's span does not carry.
+    pub(super) fn log_attempt_failed(
+        &self,
+        failure: &Failure,
+        attempt: u32,
+        in_batch: Option<&MessageId>,
+    ) {
+        let message_id = in_batch.map(MessageId::as_str);
+        if failure.store_down {
+            tracing::debug!(message_id, attempt, error = %failure.reason, "attempt failed: store unavailable");
+            self.store_outage.note(&failure.reason);
+        } else {
+            tracing::warn!(message_id, attempt, error = %failure.reason, "attempt failed");
         }
     }
 

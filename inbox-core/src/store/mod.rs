@@ -378,7 +378,7 @@ pub(crate) fn storable_error(error: &str) -> std::borrow::Cow<'_, str> {
 }
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
-pub(crate) use sql_errors::{classify, store_error};
+pub(crate) use sql_errors::{Category, category, classify, store_error};
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 mod sql_errors {
@@ -461,36 +461,46 @@ mod sql_errors {
         code.starts_with("08") || matches!(code, "53300" | "57P01" | "57P02" | "57P03")
     }
 
-    /// Maps a sqlx error to a [`StoreError`] of the right kind.
-    pub(crate) fn store_error(error: sqlx::Error) -> StoreError {
-        let transient = classify(&error) == ErrorKind::Transient;
+    /// Which [`StoreError`] a sqlx error becomes, read without taking it.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(crate) enum Category {
+        Unavailable,
+        Conflict,
+        Aborted,
+        Database,
+    }
+
+    pub(crate) fn category(error: &sqlx::Error) -> Category {
+        let transient = classify(error) == ErrorKind::Transient;
         match error {
-            sqlx::Error::Database(ref db) => match mysql_error(db.as_ref()) {
-                Some(MySqlError::Conflict) => StoreError::Conflict(Box::new(error)),
-                Some(MySqlError::Gone) => StoreError::Unavailable(Box::new(error)),
-                Some(MySqlError::Permanent) => StoreError::Database(Box::new(error)),
-                None => pg_or_sqlite(error, transient),
+            sqlx::Error::Database(db) => match mysql_error(db.as_ref()) {
+                Some(MySqlError::Conflict) => Category::Conflict,
+                Some(MySqlError::Gone) => Category::Unavailable,
+                Some(MySqlError::Permanent) => Category::Database,
+                None => match db.code() {
+                    Some(code) if code == ABORTED => Category::Aborted,
+                    // The server going away (shut down, restarting, out of connections) is an
+                    // outage, not a conflict between transactions: the consumer pauses and
+                    // probes instead of retrying the message at once.
+                    Some(code) if server_gone(&code) => Category::Unavailable,
+                    _ if transient => Category::Conflict,
+                    _ => Category::Database,
+                },
             },
-            _ if transient => StoreError::Unavailable(Box::new(error)),
-            _ => StoreError::Database(Box::new(error)),
+            _ if transient => Category::Unavailable,
+            _ => Category::Database,
         }
     }
 
-    fn pg_or_sqlite(error: sqlx::Error, transient: bool) -> StoreError {
-        match error {
-            sqlx::Error::Database(ref db) if db.code().as_deref() == Some(ABORTED) => {
-                StoreError::Aborted(Box::new(error))
-            }
-            // The server going away (shut down, restarting, out of connections) is an outage, not
-            // a conflict between transactions: the consumer pauses and probes instead of
-            // retrying the message at once.
-            sqlx::Error::Database(ref db) if db.code().is_some_and(|code| server_gone(&code)) => {
-                StoreError::Unavailable(Box::new(error))
-            }
-            sqlx::Error::Database(_) if transient => StoreError::Conflict(Box::new(error)),
-            _ if transient => StoreError::Unavailable(Box::new(error)),
-            _ => StoreError::Database(Box::new(error)),
-        }
+    /// Maps a sqlx error to a [`StoreError`] of the right kind.
+    pub(crate) fn store_error(error: sqlx::Error) -> StoreError {
+        let wrap = match category(&error) {
+            Category::Unavailable => StoreError::Unavailable,
+            Category::Conflict => StoreError::Conflict,
+            Category::Aborted => StoreError::Aborted,
+            Category::Database => StoreError::Database,
+        };
+        wrap(Box::new(error))
     }
 }
 
