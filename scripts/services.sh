@@ -152,3 +152,56 @@ ensure_pika() {
     python3 -m pip install --quiet pika >&2 || die "cannot install pika"
   fi
 }
+
+NATS_HOST=127.0.0.1
+NATS_PORT=4222
+
+nats_port_open() { (exec 3<>"/dev/tcp/$NATS_HOST/$NATS_PORT") 2>/dev/null; }
+
+# A NATS client other than ours (the cross-client test, and the JetStream check below): PyPI's
+# nats-py.
+ensure_nats_py() {
+  if ! python3 -c 'import nats' 2>/dev/null; then
+    say "installing nats-py from PyPI"
+    python3 -m pip install --quiet nats-py >&2 || die "cannot install nats-py"
+  fi
+}
+
+# nats-server from Debian's packages, started as this machine kind starts it (JetStream on,
+# its store under /var/lib/nats-server). The tests need JetStream: a server without it fails
+# here, not in the middle of the suite.
+ensure_nats() {
+  if [ -n "${NATS_URL:-}" ] && [ "${INBOX_START_SERVICES:-1}" = 0 ]; then return; fi
+  if ! nats_port_open; then
+    if [ ! -x /usr/sbin/nats-server ] && ! command -v nats-server >/dev/null; then
+      apt_install nats-server
+    fi
+    local server
+    server=$(command -v nats-server || echo /usr/sbin/nats-server)
+    say "starting nats-server with JetStream on $NATS_HOST:$NATS_PORT"
+    mkdir -p /var/lib/nats-server
+    setsid -f "$server" -a "$NATS_HOST" -p "$NATS_PORT" -js -sd /var/lib/nats-server \
+      -l /var/log/nats-server.log </dev/null >/dev/null 2>&1
+    wait_for "nats-server on $NATS_HOST:$NATS_PORT" 60 nats_port_open
+  fi
+  export NATS_URL="${NATS_URL:-nats://$NATS_HOST:$NATS_PORT}"
+  ensure_nats_py
+  # JetStream answers; scenario streams of earlier runs (subjects `conformance.<run>…`, streams
+  # `conformance~2E…`) are deleted.
+  python3 - "$NATS_URL" >&2 <<'PY' || die "NATS at $NATS_HOST:$NATS_PORT has no JetStream (start nats-server with -js)"
+import asyncio, sys
+import nats
+
+async def main(url):
+    nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0)
+    js = nc.jetstream()
+    await js.account_info()
+    for name in [s.config.name for s in await js.streams_info()]:
+        if name.startswith("conformance~2E"):
+            await js.delete_stream(name)
+    await nc.close()
+
+asyncio.run(main(sys.argv[1]))
+PY
+  say "NATS with JetStream ready"
+}

@@ -8,7 +8,7 @@ pub use inbox_core::{
     HandlerError, Headers, IdStrategy, InboxAdmin, InboxStore, InvalidName,
     MAX_CONSUMER_NAME_BYTES, MAX_MESSAGE_ID_BYTES, Message, MessageId, OutgoingMessage,
     RetryPolicy, StoreError, TRACEPARENT, TraceParent, Transport, TransportError, async_trait,
-    error_chain,
+    error_chain, redact_url,
 };
 
 #[cfg(feature = "postgres")]
@@ -70,6 +70,11 @@ pub use inbox_transport_rabbitmq as rabbitmq;
 #[cfg(feature = "kafka")]
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
 pub use inbox_transport_kafka as kafka;
+
+/// The NATS JetStream transport (async-nats).
+#[cfg(feature = "nats")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
+pub use inbox_transport_nats as nats;
 
 /// The README's examples, compiled and run as doc tests.
 #[cfg(doctest)]

@@ -1482,3 +1482,141 @@ mod kafka {
         .await;
     }
 }
+
+#[cfg(feature = "nats")]
+mod nats {
+    use super::*;
+    use inbox::nats::testing::Inspect as _;
+    use inbox::nats::{NatsConfig, NatsTransport};
+
+    /// The demo's consumers on `NATS_URL` with a 3 s ack wait, so a killed instance's messages
+    /// come back within seconds. The harness publishes without `Nats-Msg-Id` deduplication: every
+    /// copy reaches the consumers, for the inbox to discard.
+    async fn broker() -> Broker {
+        let url = conformance::services::nats_url();
+        let transport = Arc::new(
+            NatsTransport::connect(
+                url.clone(),
+                NatsConfig::default()
+                    .deduplicate(false)
+                    .max_age(Some(Duration::from_secs(3600))),
+            )
+            .await
+            .expect("connect to NATS at NATS_URL"),
+        );
+        let source = format!("harness-{}", uuid::Uuid::new_v4().simple());
+        let unsettled: Unsettled = {
+            let (transport, source) = (Arc::clone(&transport), source.clone());
+            Arc::new(move || {
+                let (transport, source) = (Arc::clone(&transport), source.clone());
+                Box::pin(async move {
+                    let mut total = 0;
+                    for consumer in ["notification", "carrier-assignment"] {
+                        total += transport
+                            .pending(&source, consumer)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                    }
+                    Ok(total)
+                })
+            })
+        };
+        Broker {
+            name: "nats",
+            transport,
+            env: vec![("NATS_URL", url), ("NATS_ACK_WAIT_MS", "3000".to_owned())],
+            source,
+            unsettled,
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn nats_kill_nine() {
+        kill_nine(broker().await, Database::Postgres).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn nats_outbox_kill_nine() {
+        outbox_kill_nine(broker().await, Database::Postgres).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn nats_postgres_restart() {
+        postgres_restart_mid_stream(broker().await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn nats_concurrent_duplicates() {
+        concurrent_duplicates(broker().await).await;
+    }
+
+    /// The machine's nats-server (the one `NATS_URL` points at) stopped and started again with
+    /// the same command line, its JetStream store on disk keeping the streams, consumers and
+    /// unacknowledged messages.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn nats_broker_restart() {
+        let url = conformance::services::nats_url();
+        assert!(
+            url.contains("127.0.0.1") || url.contains("localhost"),
+            "the NATS restart needs the local server; NATS_URL is elsewhere"
+        );
+        let broker = broker().await;
+        fault_mid_stream(broker, Database::Postgres, Restart::Broker, || async {
+            let down = Instant::now();
+            restart_nats_server(OUTAGE).await;
+            down.elapsed()
+        })
+        .await;
+    }
+
+    /// Stops the local nats-server with SIGTERM, waits `outage`, starts it again as it was
+    /// started (its command line, read from /proc) and waits until it listens.
+    async fn restart_nats_server(outage: Duration) {
+        let (pid, command) = std::fs::read_dir("/proc")
+            .expect("/proc")
+            .filter_map(|entry| {
+                let pid: u32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
+                let line = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+                let args: Vec<String> = line
+                    .split(|b| *b == 0)
+                    .filter(|a| !a.is_empty())
+                    .map(|a| String::from_utf8_lossy(a).into_owned())
+                    .collect();
+                let program = args.first()?;
+                program.ends_with("nats-server").then_some((pid, args))
+            })
+            .next()
+            .expect("a nats-server process on this machine (the harness restarts it)");
+        let status = tokio::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .await
+            .expect("kill runs");
+        assert!(status.success(), "kill -TERM {pid}: {status}");
+        eventually("nats-server stopped", || async {
+            match std::fs::metadata(format!("/proc/{pid}")) {
+                Ok(_) => Err(format!("process {pid} still runs")),
+                Err(_) => Ok(()),
+            }
+        })
+        .await;
+        tokio::time::sleep(outage).await;
+        let status = tokio::process::Command::new("setsid")
+            .arg("-f")
+            .args(&command)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .await
+            .expect("setsid runs nats-server");
+        assert!(status.success(), "starting {command:?}: {status}");
+        eventually("nats-server listening again", || async {
+            tokio::net::TcpStream::connect(("127.0.0.1", 4222))
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string())
+        })
+        .await;
+    }
+}

@@ -78,6 +78,7 @@ enum TransportKind {
     Memory,
     Rabbitmq,
     Kafka,
+    Nats,
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq)]
@@ -251,8 +252,9 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
 /// The broker to use. RabbitMQ reads `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`),
 /// `RABBITMQ_QUEUE_TYPE` (`quorum`; classic otherwise) and `RABBITMQ_DELIVERY_LIMIT`; Kafka
 /// `KAFKA_BROKERS` (default `127.0.0.1:9092`), `KAFKA_SESSION_TIMEOUT_MS`, `KAFKA_ORPHAN_GUARD`
-/// (`0`: off; on otherwise) and `KAFKA_CONFIG` (more client settings: `key=value,key=value`).
-fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
+/// (`0`: off; on otherwise) and `KAFKA_CONFIG` (more client settings: `key=value,key=value`);
+/// NATS `NATS_URL` (default `nats://127.0.0.1:4222`) and `NATS_ACK_WAIT_MS`.
+async fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
     match kind {
         TransportKind::Memory => Ok(Arc::new(MemoryBroker::new())),
         #[cfg(feature = "rabbitmq")]
@@ -305,6 +307,26 @@ fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
         #[cfg(not(feature = "kafka"))]
         TransportKind::Kafka => {
             Err("this build has no Kafka transport: run with --features kafka".into())
+        }
+        #[cfg(feature = "nats")]
+        TransportKind::Nats => {
+            let url =
+                std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+            let mut config = inbox::nats::NatsConfig::default();
+            // A killed instance's messages come back after the ack wait.
+            if let Some(ms) = std::env::var("NATS_ACK_WAIT_MS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+            {
+                config = config.ack_wait(Duration::from_millis(ms));
+            }
+            Ok(Arc::new(
+                inbox::nats::NatsTransport::connect(url, config).await?,
+            ))
+        }
+        #[cfg(not(feature = "nats"))]
+        TransportKind::Nats => {
+            Err("this build has no NATS transport: run with --features nats".into())
         }
     }
 }
@@ -549,7 +571,7 @@ async fn shutdown_signal(token: CancellationToken) {
 }
 
 async fn consume(args: ConsumeArgs) -> Result<ExitCode, Error> {
-    let transport = transport(args.transport)?;
+    let transport = transport(args.transport).await?;
     let db = Db::open(&args.database).await?;
     let token = CancellationToken::new();
     tokio::spawn(shutdown_signal(token.clone()));
@@ -601,7 +623,7 @@ async fn consume(args: ConsumeArgs) -> Result<ExitCode, Error> {
 }
 
 async fn publish(args: PublishArgs) -> Result<ExitCode, Error> {
-    let transport = transport(args.transport)?;
+    let transport = transport(args.transport).await?;
     declare_topology(&*transport, &args.source).await?;
     let published =
         domain::publish_events(&*transport, &args.source, args.count, args.duplicates, 7).await?;
@@ -636,7 +658,7 @@ async fn serve(args: ServeArgs) -> Result<ExitCode, Error> {
 }
 
 async fn relay(args: RelayArgs) -> Result<ExitCode, Error> {
-    let transport = transport(args.transport)?;
+    let transport = transport(args.transport).await?;
     let db = Db::open(&args.database).await?;
     let token = CancellationToken::new();
     tokio::spawn(shutdown_signal(token.clone()));
@@ -712,7 +734,7 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, Error> {
          crashes mid-batch; in-memory broker (seed {}: 5% duplicate publishes, 5% lost acks, \
          5% concurrent copies, 20% reordered); database {}",
         args.seed,
-        redact(&url)
+        inbox::redact_url(&url)
     );
     // Two poison messages, published straight to the broker: one without an id, one whose
     // payload is not an event.
@@ -855,18 +877,4 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, Error> {
     } else {
         ExitCode::FAILURE
     })
-}
-
-/// A database URL without its password, for printing.
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let credentials = &url[scheme + 3..at];
-            match credentials.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
-                None => url.to_owned(),
-            }
-        }
-        _ => url.to_owned(),
-    }
 }

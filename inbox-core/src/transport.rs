@@ -81,6 +81,9 @@ pub struct Capabilities {
     /// Deliveries carry ordering keys (Kafka partitions): one key's deliveries are handled one
     /// at a time, in order.
     pub ordered: bool,
+    /// Header values may be any bytes (AMQP, Kafka). Without it (NATS: headers are text), a
+    /// message with a header value that is not UTF-8 cannot be published.
+    pub binary_headers: bool,
 }
 
 impl Capabilities {
@@ -91,6 +94,7 @@ impl Capabilities {
             delivery_count: false,
             coordinates: false,
             ordered: false,
+            binary_headers: true,
         }
     }
 
@@ -115,6 +119,12 @@ impl Capabilities {
     /// Sets `ordered`.
     pub const fn with_ordered(mut self, yes: bool) -> Self {
         self.ordered = yes;
+        self
+    }
+
+    /// Sets `binary_headers`.
+    pub const fn with_binary_headers(mut self, yes: bool) -> Self {
+        self.binary_headers = yes;
         self
     }
 }

@@ -1,6 +1,6 @@
 //! `inbox`: the operator's command line for an inbox table (migrate, stats, cleanup, dead
-//! letters) and its outbox (stats, dead rows). Reads `DATABASE_URL` (PostgreSQL, or SQLite);
-//! replay reads `AMQP_URL` or `KAFKA_BROKERS`. Errors are one line on stderr and a non-zero exit; the database password is
+//! letters) and its outbox (stats, dead rows). Reads `DATABASE_URL` (PostgreSQL, MySQL /
+//! MariaDB, or SQLite); replay reads `AMQP_URL`, `KAFKA_BROKERS` or `NATS_URL`. Errors are one line on stderr and a non-zero exit; the database password is
 //! never printed.
 
 use std::process::ExitCode;
@@ -142,7 +142,7 @@ struct ReplayArgs {
     /// The dead-letter destination, when the consumer set one of its own.
     #[arg(long)]
     dead_letter: Option<String>,
-    /// The broker: RabbitMQ reads `AMQP_URL`, Kafka `KAFKA_BROKERS`.
+    /// The broker: RabbitMQ reads `AMQP_URL`, Kafka `KAFKA_BROKERS`, NATS `NATS_URL`.
     #[arg(long, value_enum)]
     transport: TransportKind,
 }
@@ -151,6 +151,7 @@ struct ReplayArgs {
 enum TransportKind {
     Rabbitmq,
     Kafka,
+    Nats,
 }
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -486,7 +487,7 @@ async fn replay<S: InboxAdmin>(store: &S, args: ReplayArgs) -> Result<ExitCode, 
                 .collect::<Result<_, _>>()?,
         )
     };
-    let transport = transport(args.transport)?;
+    let transport = transport(args.transport).await?;
     let report =
         inbox::dead_letter::replay(&*transport, store, &consumer, &destination, which).await?;
     println!(
@@ -524,8 +525,8 @@ async fn replay<S: InboxAdmin>(store: &S, args: ReplayArgs) -> Result<ExitCode, 
     }
 }
 
-/// RabbitMQ reads `AMQP_URL`, Kafka `KAFKA_BROKERS`.
-fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
+/// RabbitMQ reads `AMQP_URL`, Kafka `KAFKA_BROKERS`, NATS `NATS_URL`.
+async fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
     match kind {
         #[cfg(feature = "rabbitmq")]
         TransportKind::Rabbitmq => {
@@ -544,9 +545,16 @@ fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
                 inbox::kafka::KafkaConfig::new(brokers),
             )?))
         }
+        #[cfg(feature = "nats")]
+        TransportKind::Nats => {
+            let url = std::env::var("NATS_URL").map_err(|_| "set NATS_URL to replay through NATS")?;
+            Ok(Arc::new(
+                inbox::nats::NatsTransport::connect(url, Default::default()).await?,
+            ))
+        }
         #[allow(unreachable_patterns)]
         _ => Err(
-            "this build of inbox has no such transport: build it with --features rabbitmq,kafka"
+            "this build of inbox has no such transport: build it with --features rabbitmq,kafka,nats"
                 .into(),
         ),
     }

@@ -77,18 +77,28 @@ pub fn kafka_brokers() -> String {
     )
 }
 
+/// The NATS URL for the tests (a server with JetStream).
+pub fn nats_url() -> String {
+    static URL: OnceLock<String> = OnceLock::new();
+    locate(&URL, "NATS_URL", "nats://127.0.0.1:4222", containers::nats)
+}
+
 mod containers {
     use testcontainers_modules::kafka::apache::{KAFKA_PORT, Kafka};
     use testcontainers_modules::mysql::Mysql;
     use testcontainers_modules::postgres::Postgres;
     use testcontainers_modules::rabbitmq::RabbitMq;
-    use testcontainers_modules::testcontainers::Image;
     use testcontainers_modules::testcontainers::core::ContainerPort;
     use testcontainers_modules::testcontainers::runners::SyncRunner;
+    use testcontainers_modules::testcontainers::{ContainerRequest, Image};
 
     /// Starts `image` and returns its host port for `port`. The container is leaked on purpose:
     /// it lives as long as the test binary (testcontainers' reaper removes it afterwards).
-    fn start<I: Image>(image: I, what: &str, port: impl Into<ContainerPort>) -> u16 {
+    fn start<I: Image>(
+        image: impl Into<ContainerRequest<I>> + Send,
+        what: &str,
+        port: impl Into<ContainerPort>,
+    ) -> u16 {
         let container = image
             .start()
             .unwrap_or_else(|e| panic!("starting a {what} container with testcontainers: {e}"));
@@ -113,6 +123,15 @@ mod containers {
     pub fn rabbitmq() -> String {
         let port = start(RabbitMq::default(), "RabbitMQ", 5672);
         format!("amqp://guest:guest@127.0.0.1:{port}/%2f")
+    }
+
+    /// NATS with JetStream on.
+    pub fn nats() -> String {
+        use testcontainers_modules::nats::{Nats, NatsServerCmd};
+        use testcontainers_modules::testcontainers::ImageExt;
+        let image = Nats::default().with_cmd(&NatsServerCmd::default().with_jetstream());
+        let port = start(image, "NATS", 4222);
+        format!("nats://127.0.0.1:{port}")
     }
 
     pub fn kafka() -> String {

@@ -61,7 +61,7 @@ pub async fn invalid_ids_are_dead_lettered<D: TestDb>(brokers: &dyn BrokerFactor
     let running = Running::start(&consumer, 1);
     let before = s.id(0);
     s.publish(&before, 0).await;
-    let bad = [
+    let mut bad = vec![
         (
             OutgoingMessage {
                 payload: "{}".into(),
@@ -72,18 +72,21 @@ pub async fn invalid_ids_are_dead_lettered<D: TestDb>(brokers: &dyn BrokerFactor
         (OutgoingMessage::new("", "{}"), "is empty"),
         (OutgoingMessage::new("x".repeat(256), "{}"), "256 bytes"),
         (
+            OutgoingMessage::new("nul\u{0}id", "{}"),
+            "control character",
+        ),
+    ];
+    // A header id that is not UTF-8, where headers can carry one (NATS headers are text).
+    if s.broker.transport().capabilities().binary_headers {
+        bad.push((
             OutgoingMessage {
                 payload: "{}".into(),
                 ..OutgoingMessage::default()
             }
             .with_header("message-id", vec![0xff, 0xfe]),
             "UTF-8",
-        ),
-        (
-            OutgoingMessage::new("nul\u{0}id", "{}"),
-            "control character",
-        ),
-    ];
+        ));
+    }
     for (message, _) in &bad {
         s.publish_raw(message.clone()).await;
     }

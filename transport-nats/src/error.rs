@@ -1,0 +1,143 @@
+//! What async-nats' errors mean for the engine: transient (the server is restarting, a request
+//! timed out, the connection is gone) or permanent (the server refused the request itself).
+
+use std::fmt;
+
+use async_nats::jetstream::Error as ApiError;
+use async_nats::jetstream::context::{
+    ConsumerInfoErrorKind, CreateStreamErrorKind, GetStreamByNameErrorKind, GetStreamErrorKind,
+    PublishError, PublishErrorKind, RequestErrorKind,
+};
+use async_nats::jetstream::stream::{
+    ConsumerErrorKind, DeleteMessageErrorKind, LastRawMessageErrorKind,
+};
+use inbox_core::TransportError;
+
+/// An error kind of async-nats that may carry the JetStream API's own answer.
+pub(crate) trait Kind:
+    Clone + fmt::Debug + fmt::Display + PartialEq + Send + Sync + 'static
+{
+    /// The API's answer, when the server gave one.
+    fn answer(&self) -> Option<&ApiError> {
+        None
+    }
+    /// A mistake in the request itself (a name or subject the client refused to send).
+    fn invalid(&self) -> bool {
+        false
+    }
+}
+
+impl Kind for CreateStreamErrorKind {
+    fn answer(&self) -> Option<&ApiError> {
+        match self {
+            Self::JetStream(e) => Some(e),
+            _ => None,
+        }
+    }
+    fn invalid(&self) -> bool {
+        matches!(
+            self,
+            Self::EmptyStreamName | Self::InvalidStreamName | Self::DomainAndExternalSet
+        )
+    }
+}
+
+impl Kind for GetStreamErrorKind {
+    fn answer(&self) -> Option<&ApiError> {
+        match self {
+            Self::JetStream(e) => Some(e),
+            _ => None,
+        }
+    }
+    fn invalid(&self) -> bool {
+        matches!(self, Self::EmptyName | Self::InvalidStreamName)
+    }
+}
+
+impl Kind for GetStreamByNameErrorKind {
+    fn answer(&self) -> Option<&ApiError> {
+        match self {
+            Self::JetStream(e) => Some(e),
+            _ => None,
+        }
+    }
+    fn invalid(&self) -> bool {
+        matches!(self, Self::InvalidSubject)
+    }
+}
+
+impl Kind for ConsumerErrorKind {
+    fn answer(&self) -> Option<&ApiError> {
+        match self {
+            Self::JetStream(e) => Some(e),
+            _ => None,
+        }
+    }
+    fn invalid(&self) -> bool {
+        matches!(self, Self::InvalidConsumerType | Self::InvalidName)
+    }
+}
+
+impl Kind for LastRawMessageErrorKind {
+    fn answer(&self) -> Option<&ApiError> {
+        match self {
+            Self::JetStream(e) => Some(e),
+            _ => None,
+        }
+    }
+    fn invalid(&self) -> bool {
+        matches!(self, Self::InvalidSubject)
+    }
+}
+
+impl Kind for DeleteMessageErrorKind {
+    fn answer(&self) -> Option<&ApiError> {
+        match self {
+            Self::JetStream(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl Kind for ConsumerInfoErrorKind {
+    fn answer(&self) -> Option<&ApiError> {
+        match self {
+            Self::JetStream(e) => Some(e),
+            _ => None,
+        }
+    }
+    fn invalid(&self) -> bool {
+        matches!(self, Self::InvalidName)
+    }
+}
+
+impl Kind for RequestErrorKind {
+    fn invalid(&self) -> bool {
+        matches!(self, Self::InvalidSubject)
+    }
+}
+
+impl Kind for async_nats::jetstream::consumer::StreamErrorKind {}
+
+/// A JetStream API call's error. The server's own answer decides: 5xx (no leader yet, JetStream
+/// starting, resources short) passes, anything else it says is a refusal. No answer at all (a
+/// timeout, no responders while the server restarts, a lost connection) is transient.
+pub(crate) fn api<K: Kind>(error: async_nats::error::Error<K>) -> TransportError {
+    let kind = error.kind();
+    let permanent = kind.invalid() || kind.answer().is_some_and(|answer| answer.code() < 500);
+    if permanent {
+        TransportError::Refused(Box::new(error))
+    } else {
+        TransportError::Disconnected(Box::new(error))
+    }
+}
+
+/// A publish's error: no stream for the subject is a missing route; too large a message a
+/// refusal; no ack (a timeout, a lost connection) unconfirmed.
+pub(crate) fn publish_error(error: PublishError) -> TransportError {
+    match error.kind() {
+        PublishErrorKind::StreamNotFound => TransportError::NoRoute(Box::new(error)),
+        PublishErrorKind::MaxPayloadExceeded => TransportError::Refused(Box::new(error)),
+        _ => TransportError::NotConfirmed(Box::new(error)),
+    }
+}
