@@ -1,5 +1,6 @@
 //! What the inbox costs, measured side by side in one run (issue 6), for each transport (memory,
-//! RabbitMQ at `AMQP_URL`, Kafka at `KAFKA_BROKERS`) against PostgreSQL (`DATABASE_URL`):
+//! RabbitMQ at `AMQP_URL`, Kafka at `KAFKA_BROKERS`, NATS at `NATS_URL`, Redis at `REDIS_URL`)
+//! against PostgreSQL (`DATABASE_URL`):
 //!
 //! - inbox per message, and in batch mode;
 //! - the same consumer with no inbox (business write + commit + ack);
@@ -52,6 +53,8 @@ enum Which {
     Memory,
     Rabbitmq,
     Kafka,
+    Nats,
+    Redis,
     All,
 }
 
@@ -1230,7 +1233,7 @@ fn bench_queues() -> inbox::rabbitmq::RabbitMqConfig {
     inbox::rabbitmq::RabbitMqConfig::default().queue_expires(Duration::from_secs(600))
 }
 
-fn targets(which: Which) -> Result<Vec<Target>, Error> {
+async fn targets(which: Which) -> Result<Vec<Target>, Error> {
     let mut targets = Vec::new();
     if matches!(which, Which::Memory | Which::All) {
         targets.push(Target::new("memory", Arc::new(MemoryBroker::new())));
@@ -1251,6 +1254,27 @@ fn targets(which: Which) -> Result<Vec<Target>, Error> {
             Arc::new(inbox::kafka::KafkaTransport::new(
                 inbox::kafka::KafkaConfig::new(brokers),
             )?),
+        ));
+    }
+    if matches!(which, Which::Nats | Which::All) {
+        let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+        // Every copy stored (the copies modes publish each message twice with one id), and the
+        // bench's streams emptied 10 minutes after.
+        let config = inbox::nats::NatsConfig::default()
+            .deduplicate(false)
+            .max_age(Some(Duration::from_secs(600)))
+            .inactive_threshold(Some(Duration::from_secs(600)));
+        targets.push(Target::new(
+            "nats",
+            Arc::new(inbox::nats::NatsTransport::connect(url, config).await?),
+        ));
+    }
+    if matches!(which, Which::Redis | Which::All) {
+        let url =
+            std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
+        targets.push(Target::new(
+            "redis",
+            Arc::new(inbox::redis::RedisTransport::connect(url, Default::default()).await?),
         ));
     }
     Ok(targets)
@@ -1278,7 +1302,7 @@ async fn bench(args: Args) -> Result<(), Error> {
     );
     let mut rows = Vec::new();
     if args.profile {
-        for target in targets(args.transport)? {
+        for target in targets(args.transport).await? {
             let m = inbox_mode("inbox per message", &target, &store, &args, None, false).await?;
             rows.push(m.row(target.name));
             println!(
@@ -1292,7 +1316,7 @@ async fn bench(args: Args) -> Result<(), Error> {
         return write_json(&args, rows, peak_rss_mib());
     }
     if args.outbox_only {
-        for target in targets(args.transport)? {
+        for target in targets(args.transport).await? {
             rows.extend(outbox_modes(&target, &store, &args).await?);
         }
         return write_json(&args, rows, peak_rss_mib());
@@ -1307,7 +1331,7 @@ async fn bench(args: Args) -> Result<(), Error> {
         args.concurrency,
         ceiling.rate()
     );
-    for target in targets(args.transport)? {
+    for target in targets(args.transport).await? {
         let t = &target;
         let raw = raw_broker(t, &args).await?;
         let per_message = inbox_mode("inbox per message", t, &store, &args, None, false).await?;

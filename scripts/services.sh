@@ -186,8 +186,8 @@ ensure_nats() {
   fi
   export NATS_URL="${NATS_URL:-nats://$NATS_HOST:$NATS_PORT}"
   ensure_nats_py
-  # JetStream answers; scenario streams of earlier runs (subjects `conformance.<run>…`, streams
-  # `conformance~2E…`) are deleted.
+  # JetStream answers; the streams earlier test runs left (scenario subjects `conformance.<run>`,
+  # the tests' and the harness's `<prefix>-<32 hex>`, and their dead letters) are deleted.
   python3 - "$NATS_URL" >&2 <<'PY' || die "NATS at $NATS_HOST:$NATS_PORT has no JetStream (start nats-server with -js)"
 import asyncio, sys
 import nats
@@ -196,12 +196,43 @@ async def main(url):
     nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0)
     js = nc.jetstream()
     await js.account_info()
+    import re
+    ours = re.compile(r"^(conformance~2E|(slow|window|parcels|hostile|harness)-[0-9a-f]{32})")
     for name in [s.config.name for s in await js.streams_info()]:
-        if name.startswith("conformance~2E"):
+        if ours.match(name):
             await js.delete_stream(name)
     await nc.close()
 
 asyncio.run(main(sys.argv[1]))
 PY
   say "NATS with JetStream ready"
+}
+
+REDIS_HOST=127.0.0.1
+REDIS_PORT=6379
+
+redis_ping() { redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" ping | grep -q PONG; }
+
+# Redis from Debian's packages, started as this machine kind starts it (nothing kept on disk:
+# the harness's Redis restart runs a server of its own with appendonly). Also PyPI's `redis`, the
+# other client of the cross-client test.
+ensure_redis() {
+  if [ -n "${REDIS_URL:-}" ] && [ "${INBOX_START_SERVICES:-1}" = 0 ]; then return; fi
+  if ! redis_ping >/dev/null 2>&1; then
+    if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+      apt_install redis-server redis-tools
+    fi
+    say "starting Redis on $REDIS_HOST:$REDIS_PORT"
+    mkdir -p /var/lib/redis /var/log/redis
+    redis-server --daemonize yes --bind "$REDIS_HOST" --port "$REDIS_PORT" --save "" \
+      --appendonly no --dir /var/lib/redis --logfile /var/log/redis/ci.log >&2
+    wait_for "Redis on $REDIS_HOST:$REDIS_PORT" 60 redis_ping
+  fi
+  export REDIS_URL="${REDIS_URL:-redis://$REDIS_HOST:$REDIS_PORT}"
+  export INBOX_REDIS_SERVER="${INBOX_REDIS_SERVER:-$(command -v redis-server)}"
+  if ! python3 -c 'import redis' 2>/dev/null; then
+    say "installing redis (redis-py) from PyPI"
+    python3 -m pip install --quiet redis >&2 || die "cannot install PyPI's redis"
+  fi
+  say "Redis ready"
 }

@@ -76,6 +76,11 @@ pub use inbox_transport_kafka as kafka;
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 pub use inbox_transport_nats as nats;
 
+/// The Redis Streams transport (redis-rs).
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use inbox_transport_redis as redis;
+
 /// The README's examples, compiled and run as doc tests.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

@@ -1611,11 +1611,184 @@ mod nats {
             .await
             .expect("setsid runs nats-server");
         assert!(status.success(), "starting {command:?}: {status}");
+        let port: u16 = conformance::services::nats_url()
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.trim_end_matches('/').parse().ok())
+            .unwrap_or(4222);
         eventually("nats-server listening again", || async {
-            tokio::net::TcpStream::connect(("127.0.0.1", 4222))
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
                 .await
                 .map(drop)
                 .map_err(|e| e.to_string())
+        })
+        .await;
+    }
+}
+
+#[cfg(feature = "redis")]
+mod redis {
+    use super::*;
+    use inbox::redis::testing::Inspect as _;
+    use inbox::redis::{RedisConfig, RedisTransport};
+
+    /// The demo's consumers on `url` with a 3 s visibility timeout, so a killed instance's
+    /// entries are claimed by the next within seconds.
+    async fn broker_at(url: String) -> Broker {
+        let transport = Arc::new(
+            RedisTransport::connect(url.clone(), RedisConfig::default())
+                .await
+                .expect("connect to Redis"),
+        );
+        let source = format!("harness-{}", uuid::Uuid::new_v4().simple());
+        let unsettled: Unsettled = {
+            let (transport, source) = (Arc::clone(&transport), source.clone());
+            Arc::new(move || {
+                let (transport, source) = (Arc::clone(&transport), source.clone());
+                Box::pin(async move {
+                    let mut total = 0;
+                    for consumer in ["notification", "carrier-assignment"] {
+                        total += transport
+                            .pending(&source, consumer)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                    }
+                    Ok(total)
+                })
+            })
+        };
+        Broker {
+            name: "redis",
+            transport,
+            env: vec![
+                ("REDIS_URL", url),
+                ("REDIS_VISIBILITY_MS", "3000".to_owned()),
+            ],
+            source,
+            unsettled,
+        }
+    }
+
+    async fn broker() -> Broker {
+        broker_at(conformance::services::redis_url()).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn redis_kill_nine() {
+        kill_nine(broker().await, Database::Postgres).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn redis_outbox_kill_nine() {
+        outbox_kill_nine(broker().await, Database::Postgres).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn redis_postgres_restart() {
+        postgres_restart_mid_stream(broker().await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn redis_concurrent_duplicates() {
+        concurrent_duplicates(broker().await).await;
+    }
+
+    /// A redis-server of the harness's own, persisting every write before it replies
+    /// (`appendonly yes`, `appendfsync always`): the machine's Redis keeps nothing on disk, and a
+    /// restart of it would lose the streams, which says nothing about the transport.
+    struct OwnRedis {
+        dir: std::path::PathBuf,
+        port: u16,
+        child: Option<tokio::process::Child>,
+    }
+
+    impl OwnRedis {
+        fn start(port: u16) -> Self {
+            let dir =
+                std::env::temp_dir().join(format!("inbox-redis-{}", uuid::Uuid::new_v4().simple()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let mut redis = Self {
+                dir,
+                port,
+                child: None,
+            };
+            redis.spawn();
+            redis
+        }
+
+        fn spawn(&mut self) {
+            let server =
+                std::env::var("INBOX_REDIS_SERVER").unwrap_or_else(|_| "redis-server".to_owned());
+            let child = tokio::process::Command::new(server)
+                .args([
+                    "--bind",
+                    "127.0.0.1",
+                    "--port",
+                    &self.port.to_string(),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "yes",
+                    "--appendfsync",
+                    "always",
+                    "--dir",
+                ])
+                .arg(&self.dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .kill_on_drop(true)
+                .spawn()
+                .expect("redis-server runs (scripts/test sets INBOX_REDIS_SERVER)");
+            self.child = Some(child);
+        }
+
+        async fn listening(&self) {
+            let port = self.port;
+            eventually("the harness's redis-server listening", || async move {
+                tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+            })
+            .await;
+        }
+
+        /// SIGTERM (Redis flushes its append-only file and exits), `outage`, start again on the
+        /// same directory.
+        async fn restart(&mut self, outage: Duration) {
+            if let Some(mut child) = self.child.take() {
+                let pid = child.id().expect("running");
+                let _ = tokio::process::Command::new("kill")
+                    .args(["-TERM", &pid.to_string()])
+                    .status()
+                    .await;
+                let _ = tokio::time::timeout(DEADLINE, child.wait()).await;
+            }
+            tokio::time::sleep(outage).await;
+            self.spawn();
+            self.listening().await;
+        }
+    }
+
+    impl Drop for OwnRedis {
+        fn drop(&mut self) {
+            if let Some(child) = &mut self.child {
+                let _ = child.start_kill();
+            }
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn redis_broker_restart() {
+        let port = 6391;
+        let redis = Arc::new(tokio::sync::Mutex::new(OwnRedis::start(port)));
+        redis.lock().await.listening().await;
+        let broker = broker_at(format!("redis://127.0.0.1:{port}")).await;
+        fault_mid_stream(broker, Database::Postgres, Restart::Broker, || async {
+            let down = Instant::now();
+            redis.lock().await.restart(OUTAGE).await;
+            down.elapsed()
         })
         .await;
     }

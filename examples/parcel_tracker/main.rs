@@ -79,6 +79,7 @@ enum TransportKind {
     Rabbitmq,
     Kafka,
     Nats,
+    Redis,
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq)]
@@ -253,7 +254,8 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
 /// `RABBITMQ_QUEUE_TYPE` (`quorum`; classic otherwise) and `RABBITMQ_DELIVERY_LIMIT`; Kafka
 /// `KAFKA_BROKERS` (default `127.0.0.1:9092`), `KAFKA_SESSION_TIMEOUT_MS`, `KAFKA_ORPHAN_GUARD`
 /// (`0`: off; on otherwise) and `KAFKA_CONFIG` (more client settings: `key=value,key=value`);
-/// NATS `NATS_URL` (default `nats://127.0.0.1:4222`) and `NATS_ACK_WAIT_MS`.
+/// NATS `NATS_URL` (default `nats://127.0.0.1:4222`) and `NATS_ACK_WAIT_MS`; Redis `REDIS_URL`
+/// (default `redis://127.0.0.1:6379`) and `REDIS_VISIBILITY_MS`.
 async fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
     match kind {
         TransportKind::Memory => Ok(Arc::new(MemoryBroker::new())),
@@ -327,6 +329,28 @@ async fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
         #[cfg(not(feature = "nats"))]
         TransportKind::Nats => {
             Err("this build has no NATS transport: run with --features nats".into())
+        }
+        #[cfg(feature = "redis")]
+        TransportKind::Redis => {
+            let url =
+                std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
+            let mut config = inbox::redis::RedisConfig::default();
+            // A killed instance's entries are claimed after the visibility timeout.
+            if let Some(ms) = std::env::var("REDIS_VISIBILITY_MS")
+                .ok()
+                .and_then(|v| v.parse::<u64>().ok())
+            {
+                config = config
+                    .visibility_timeout(Duration::from_millis(ms))
+                    .claim_interval(Duration::from_millis(ms / 10));
+            }
+            Ok(Arc::new(
+                inbox::redis::RedisTransport::connect(url, config).await?,
+            ))
+        }
+        #[cfg(not(feature = "redis"))]
+        TransportKind::Redis => {
+            Err("this build has no Redis transport: run with --features redis".into())
         }
     }
 }

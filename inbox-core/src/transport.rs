@@ -145,6 +145,10 @@ pub struct Subscription {
     pub prefetch: u16,
     /// Where this consumer's dead letters go, so the transport can declare it up front.
     pub dead_letter: Option<String>,
+    /// How often the engine lets a message be delivered before it dead-letters it
+    /// ([`RetryPolicy::max_deliveries`](crate::RetryPolicy)): a broker's own delivery limit
+    /// must stay above it, or the broker would stop delivering a message without a dead letter.
+    pub max_deliveries: Option<u32>,
 }
 
 impl Subscription {
@@ -155,12 +159,19 @@ impl Subscription {
             consumer,
             prefetch,
             dead_letter: None,
+            max_deliveries: None,
         }
     }
 
     /// Sets the dead-letter destination.
     pub fn with_dead_letter(mut self, destination: impl Into<String>) -> Self {
         self.dead_letter = Some(destination.into());
+        self
+    }
+
+    /// Sets the engine's delivery limit.
+    pub fn with_max_deliveries(mut self, limit: u32) -> Self {
+        self.max_deliveries = Some(limit);
         self
     }
 }

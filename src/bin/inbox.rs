@@ -1,6 +1,6 @@
 //! `inbox`: the operator's command line for an inbox table (migrate, stats, cleanup, dead
 //! letters) and its outbox (stats, dead rows). Reads `DATABASE_URL` (PostgreSQL, MySQL /
-//! MariaDB, or SQLite); replay reads `AMQP_URL`, `KAFKA_BROKERS` or `NATS_URL`. Errors are one line on stderr and a non-zero exit; the database password is
+//! MariaDB, or SQLite); replay reads `AMQP_URL`, `KAFKA_BROKERS`, `NATS_URL` or `REDIS_URL`. Errors are one line on stderr and a non-zero exit; the database password is
 //! never printed.
 
 use std::process::ExitCode;
@@ -142,7 +142,8 @@ struct ReplayArgs {
     /// The dead-letter destination, when the consumer set one of its own.
     #[arg(long)]
     dead_letter: Option<String>,
-    /// The broker: RabbitMQ reads `AMQP_URL`, Kafka `KAFKA_BROKERS`, NATS `NATS_URL`.
+    /// The broker: RabbitMQ reads `AMQP_URL`, Kafka `KAFKA_BROKERS`, NATS `NATS_URL`, Redis
+    /// `REDIS_URL`.
     #[arg(long, value_enum)]
     transport: TransportKind,
 }
@@ -152,6 +153,7 @@ enum TransportKind {
     Rabbitmq,
     Kafka,
     Nats,
+    Redis,
 }
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -525,7 +527,7 @@ async fn replay<S: InboxAdmin>(store: &S, args: ReplayArgs) -> Result<ExitCode, 
     }
 }
 
-/// RabbitMQ reads `AMQP_URL`, Kafka `KAFKA_BROKERS`, NATS `NATS_URL`.
+/// RabbitMQ reads `AMQP_URL`, Kafka `KAFKA_BROKERS`, NATS `NATS_URL`, Redis `REDIS_URL`.
 async fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
     match kind {
         #[cfg(feature = "rabbitmq")]
@@ -552,9 +554,17 @@ async fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
                 inbox::nats::NatsTransport::connect(url, Default::default()).await?,
             ))
         }
+        #[cfg(feature = "redis")]
+        TransportKind::Redis => {
+            let url =
+                std::env::var("REDIS_URL").map_err(|_| "set REDIS_URL to replay through Redis")?;
+            Ok(Arc::new(
+                inbox::redis::RedisTransport::connect(url, Default::default()).await?,
+            ))
+        }
         #[allow(unreachable_patterns)]
         _ => Err(
-            "this build of inbox has no such transport: build it with --features rabbitmq,kafka,nats"
+            "this build of inbox has no such transport: build it with --features rabbitmq,kafka,nats,redis"
                 .into(),
         ),
     }

@@ -15,6 +15,7 @@ pub mod memory;
 pub mod nats;
 pub mod publishing;
 pub mod rabbitmq;
+pub mod redis;
 pub mod scenarios;
 pub mod services;
 pub mod stores;

@@ -83,6 +83,17 @@ pub fn nats_url() -> String {
     locate(&URL, "NATS_URL", "nats://127.0.0.1:4222", containers::nats)
 }
 
+/// The Redis URL for the tests.
+pub fn redis_url() -> String {
+    static URL: OnceLock<String> = OnceLock::new();
+    locate(
+        &URL,
+        "REDIS_URL",
+        "redis://127.0.0.1:6379",
+        containers::redis,
+    )
+}
+
 mod containers {
     use testcontainers_modules::kafka::apache::{KAFKA_PORT, Kafka};
     use testcontainers_modules::mysql::Mysql;
@@ -132,6 +143,15 @@ mod containers {
         let image = Nats::default().with_cmd(&NatsServerCmd::default().with_jetstream());
         let port = start(image, "NATS", 4222);
         format!("nats://127.0.0.1:{port}")
+    }
+
+    pub fn redis() -> String {
+        let port = start(
+            testcontainers_modules::redis::Redis::default(),
+            "Redis",
+            6379,
+        );
+        format!("redis://127.0.0.1:{port}")
     }
 
     pub fn kafka() -> String {

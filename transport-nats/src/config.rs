@@ -33,8 +33,8 @@ pub struct NatsConfig {
     pub redelivery_delay: Duration,
     /// How often the server delivers a message before it stops (`max_deliver`; default 25).
     /// The engine dead-letters a message itself once it passes its own `max_deliveries` (20 by
-    /// default: keep it below this), so the server's limit only stops what the engine never
-    /// sees — a message the client cannot even parse (header bytes that are not UTF-8, which
+    /// default; a limit set here at or below the consumer's is raised to its `max_deliveries` + 5,
+    /// with a warning), so the server's limit only stops what the engine never sees — a message the client cannot even parse (header bytes that are not UTF-8, which
     /// async-nats refuses by dropping the connection), redelivered for ever otherwise. Such a
     /// message stays in the stream; the transport logs the server's advisory with its sequence.
     /// `None`: no limit.
@@ -147,10 +147,5 @@ impl NatsConfig {
     pub fn deduplicate(mut self, yes: bool) -> Self {
         self.deduplicate = yes;
         self
-    }
-
-    /// How often a delivery in progress tells the server so.
-    pub(crate) fn keep_alive_every(&self) -> Duration {
-        self.ack_wait / 3
     }
 }

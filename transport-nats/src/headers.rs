@@ -34,7 +34,9 @@ pub(crate) fn from_header_map(map: &HeaderMap) -> Headers {
 }
 
 fn is_server_header(name: &str) -> bool {
-    name.len() >= 5 && name[..5].eq_ignore_ascii_case("nats-")
+    name.as_bytes()
+        .get(..5)
+        .is_some_and(|prefix| prefix.eq_ignore_ascii_case(b"nats-"))
 }
 
 /// The headers to publish `message` with.
@@ -148,6 +150,12 @@ mod tests {
 
     #[test]
     fn headers_nats_cannot_carry_are_refused() {
+        // Not a panic on a name whose fifth byte is inside a character.
+        let non_ascii = OutgoingMessage::new("a", "").with_header("abcdé", "x");
+        assert!(matches!(
+            to_header_map(&non_ascii, true),
+            Err(TransportError::Refused(_))
+        ));
         let bad_name = OutgoingMessage::new("a", "").with_header("a:b", "x");
         assert!(matches!(
             to_header_map(&bad_name, true),

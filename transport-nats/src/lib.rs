@@ -6,10 +6,10 @@
 //!   when a consumer declares or subscribes, or on the first publish, listening on exactly that
 //!   subject — so consumers of `parcels` never read `parcels.dead-letter`. Names:
 //!   [`stream_name`], [`durable_name`];
-//! - each consumer name has a durable pull consumer with explicit acks on that stream, filtered
-//!   to the subject, reading from the stream's beginning, with no delivery limit of the server's
-//!   (`max_deliver = -1`: past a limit JetStream would stop delivering a message without a dead
-//!   letter; the engine dead-letters it itself after its own attempt limit);
+//! - each (source, consumer name) has a durable pull consumer with explicit acks on that stream,
+//!   filtered to the subject, reading from the stream's beginning; the server's delivery limit
+//!   (`max_deliver`, [`NatsConfig::max_deliver`]) stays above the engine's own, so the engine
+//!   dead-letters what it can see, and the server stops only what the client cannot parse;
 //! - a delivery is acked after the commit and the ack confirmed by the server (a lost ack is
 //!   reported); handing back is a nak with [`NatsConfig::redelivery_delay`]; while a delivery is
 //!   unsettled the transport sends in-progress acks every third of the ack wait, so a long

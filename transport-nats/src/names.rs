@@ -5,7 +5,10 @@
 //! Stream and consumer names cannot hold `.`, `*`, `>`, `/`, `\` or whitespace, so they are the
 //! subject (or consumer name) with every byte outside `A–Z a–z 0–9 _ -` written as `~` and two
 //! hex digits: `parcels.dead-letter` → stream `parcels~2Edead-letter`. The mapping is one to one
-//! (`~` itself is escaped), so two sources never share a stream.
+//! (`~` itself is escaped), so two sources never share a stream. A durable consumer is named
+//! after its source and its consumer name, joined by `~~` (which escaping never produces), as
+//! RabbitMQ's queues and Kafka's groups are: one consumer name on two sources of one stream (an
+//! application's stream on `orders.>`) is two durables, never one.
 
 use inbox_core::TransportError;
 
@@ -65,9 +68,15 @@ pub fn stream_name(subject: &str) -> Result<String, TransportError> {
     checked("stream", subject, escape(subject))
 }
 
-/// The durable consumer of `consumer` (an inbox consumer name) on a source's stream.
-pub fn durable_name(consumer: &str) -> Result<String, TransportError> {
-    checked("durable consumer", consumer, escape(consumer))
+/// The durable consumer of `consumer` (an inbox consumer name) on `source`'s stream:
+/// `<source>~~<consumer>`, each escaped.
+pub fn durable_name(source: &str, consumer: &str) -> Result<String, TransportError> {
+    check_subject(source)?;
+    checked(
+        "durable consumer",
+        consumer,
+        format!("{}~~{}", escape(source), escape(consumer)),
+    )
 }
 
 #[cfg(test)]
@@ -85,10 +94,19 @@ mod tests {
         // `~` is escaped too, so an escaped name cannot collide with a literal one.
         assert_ne!(stream_name("a.b").unwrap(), stream_name("a~2Eb").unwrap());
         assert_eq!(
-            durable_name("billing service").unwrap(),
-            "billing~20service"
+            durable_name("parcels", "billing service").unwrap(),
+            "parcels~~billing~20service"
         );
-        assert_eq!(durable_name("naïve").unwrap(), "na~C3~AFve");
+        assert_eq!(durable_name("p", "naïve").unwrap(), "p~~na~C3~AFve");
+        // The separator cannot be forged by either part.
+        assert_ne!(
+            durable_name("a", "~~b").unwrap(),
+            durable_name("a~~", "b").unwrap_or_default()
+        );
+        assert_ne!(
+            durable_name("a.b", "c").unwrap(),
+            durable_name("a", "b.c").unwrap()
+        );
     }
 
     #[test]
@@ -104,9 +122,10 @@ mod tests {
     #[test]
     fn overlong_names_are_refused() {
         assert!(stream_name(&"a".repeat(256)).is_err());
-        // 100 ASCII bytes (the longest consumer name) always fit; escaped bytes take three.
-        assert!(durable_name(&"a".repeat(100)).is_ok());
-        assert!(durable_name(&"é".repeat(42)).is_ok());
-        assert!(durable_name(&"é".repeat(43)).is_err());
+        // 100 ASCII bytes (the longest consumer name) fit beside a source of 150; escaped
+        // bytes take three.
+        assert!(durable_name(&"s".repeat(150), &"a".repeat(100)).is_ok());
+        assert!(durable_name("s", &"é".repeat(42)).is_ok());
+        assert!(durable_name("s", &"é".repeat(43)).is_err());
     }
 }

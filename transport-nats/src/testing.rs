@@ -7,6 +7,7 @@ use futures::TryStreamExt;
 use inbox_core::{OutgoingMessage, TransportError};
 
 use crate::error::api;
+use crate::transport::StreamKind;
 use crate::{NatsTransport, durable_name};
 
 /// Inspection of a [`NatsTransport`] for tests.
@@ -34,9 +35,9 @@ impl Inspect for NatsTransport {
     }
 
     async fn pending(&self, source: &str, consumer: &str) -> Result<u64, TransportError> {
-        let stream = self.stream_for(source).await?;
+        let stream = self.stream_for(source, StreamKind::Source).await?;
         let info = stream
-            .consumer_info(durable_name(consumer)?)
+            .consumer_info(durable_name(source, consumer)?)
             .await
             .map_err(api)?;
         Ok(info.num_pending + info.num_ack_pending as u64)

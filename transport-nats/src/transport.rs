@@ -16,7 +16,7 @@ use async_trait::async_trait;
 use futures::StreamExt;
 use inbox_core::{
     Capabilities, Delivery, DeliveryStream, OutgoingMessage, Subscription, Transport,
-    TransportError,
+    TransportError, dead_letter_headers,
 };
 
 use crate::delivery::{NatsDelivery, NatsLetter};
@@ -62,13 +62,63 @@ pub fn redact(url: &str) -> String {
 }
 
 fn redact_one(url: &str) -> String {
-    let redacted = inbox_core::redact_url(url);
-    match (redacted.find("://"), redacted.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme && !redacted[scheme + 3..at].contains(':') => {
-            format!("{}***{}", &redacted[..scheme + 3], &redacted[at..])
-        }
-        _ => redacted,
+    let (clean, credentials) = split_credentials(url);
+    match credentials {
+        None => clean,
+        Some(Credentials::Token(_)) => with_userinfo(&clean, "***"),
+        Some(Credentials::User(user, _)) => with_userinfo(&clean, &format!("{user}:***")),
     }
+}
+
+/// Credentials taken out of a URL, handed to the client as options: async-nats logs the
+/// servers' addresses at debug level with whatever they hold.
+enum Credentials {
+    User(String, String),
+    Token(String),
+}
+
+/// `url` without its user information, and what it held. Also for `tok@host:4222` (no scheme).
+fn split_credentials(url: &str) -> (String, Option<Credentials>) {
+    let url = url.trim();
+    let start = url.find("://").map_or(0, |i| i + 3);
+    let authority_end = url[start..].find('/').map_or(url.len(), |i| start + i);
+    let Some(at) = url[start..authority_end].rfind('@').map(|i| start + i) else {
+        return (url.to_owned(), None);
+    };
+    let userinfo = &url[start..at];
+    let clean = format!("{}{}", &url[..start], &url[at + 1..]);
+    let credentials = match userinfo.split_once(':') {
+        Some((user, password)) => {
+            Credentials::User(percent_decoded(user), percent_decoded(password))
+        }
+        None => Credentials::Token(percent_decoded(userinfo)),
+    };
+    (clean, Some(credentials))
+}
+
+fn with_userinfo(clean: &str, userinfo: &str) -> String {
+    let start = clean.find("://").map_or(0, |i| i + 3);
+    format!("{}{userinfo}@{}", &clean[..start], &clean[start..])
+}
+
+fn percent_decoded(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%'
+            && let Some(byte) = text
+                .get(i + 1..i + 3)
+                .and_then(|hex| u8::from_str_radix(hex, 16).ok())
+        {
+            out.push(byte);
+            i += 3;
+            continue;
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 impl NatsTransport {
@@ -83,13 +133,35 @@ impl NatsTransport {
 
     /// Connects with the client's own options: TLS (`require_tls`, `add_root_certificates`,
     /// `add_client_certificate`), credentials (`credentials_file`, `nkey`, `user_and_password`),
-    /// reconnect policy. The connection name and the event callback are the transport's.
+    /// reconnect policy. The connection name, the request timeout
+    /// ([`NatsConfig::request_timeout`]) and the event callback are the transport's. A user and
+    /// password, or a token, in the URL are taken out of it and passed as options, so the client
+    /// never logs them.
     pub async fn connect_with_options(
         url: impl Into<String>,
-        options: ConnectOptions,
+        mut options: ConnectOptions,
         config: NatsConfig,
     ) -> Result<Self, TransportError> {
         let url = url.into();
+        if config.ack_wait < Duration::from_secs(1) || config.request_timeout.is_zero() {
+            return Err(TransportError::Config(format!(
+                "ack_wait must be at least 1 s and request_timeout above zero (got {:?}, {:?})",
+                config.ack_wait, config.request_timeout
+            )));
+        }
+        let mut servers = Vec::new();
+        for one in url.split(',') {
+            let (clean, credentials) = split_credentials(one);
+            options = match credentials {
+                Some(Credentials::User(user, password)) => {
+                    options.user_and_password(user, password)
+                }
+                Some(Credentials::Token(token)) => options.token(token),
+                None => options,
+            };
+            servers.push(clean);
+        }
+        let servers = servers.join(",");
         let connections = Arc::new(AtomicUsize::new(0));
         let counted = Arc::clone(&connections);
         let shown = redact(&url);
@@ -113,7 +185,7 @@ impl NatsTransport {
                     }
                 }
             });
-        let client = options.connect(url.as_str()).await.map_err(|e| {
+        let client = options.connect(servers.as_str()).await.map_err(|e| {
             TransportError::Disconnected(
                 format!(
                     "cannot connect to NATS at {}: {}",
@@ -123,9 +195,6 @@ impl NatsTransport {
                 .into(),
             )
         })?;
-        // The first Connected event may come after connect returns: the connection is counted
-        // here instead, once.
-        connections.fetch_max(1, Ordering::SeqCst);
         tracing::info!(url = %redact(&url), "connected to NATS");
         let mut jetstream = jetstream::new(client.clone());
         jetstream.set_timeout(config.request_timeout);
@@ -147,7 +216,11 @@ impl NatsTransport {
 
     /// The stream that holds `subject`: one already capturing it (the application's own, perhaps
     /// on a wildcard), else one this transport creates for exactly that subject.
-    pub(crate) async fn stream_for(&self, subject: &str) -> Result<stream::Stream, TransportError> {
+    pub(crate) async fn stream_for(
+        &self,
+        subject: &str,
+        kind: StreamKind,
+    ) -> Result<stream::Stream, TransportError> {
         check_subject(subject)?;
         let known = self
             .streams
@@ -163,7 +236,7 @@ impl NatsTransport {
             }
             self.streams.lock().expect("not poisoned").remove(subject);
         }
-        let stream = self.find_or_create_stream(subject).await?;
+        let stream = self.find_or_create_stream(subject, kind).await?;
         self.streams
             .lock()
             .expect("not poisoned")
@@ -171,22 +244,54 @@ impl NatsTransport {
         Ok(stream)
     }
 
-    async fn find_or_create_stream(&self, subject: &str) -> Result<stream::Stream, TransportError> {
-        for _ in 0..3 {
+    /// Whether a stream for `subject` is known (looked up or created) without asking the server:
+    /// for publishing, which finds out from a missing-stream answer when it was deleted since.
+    async fn ensure_stream(&self, subject: &str, kind: StreamKind) -> Result<(), TransportError> {
+        if self
+            .streams
+            .lock()
+            .expect("not poisoned")
+            .contains_key(subject)
+        {
+            return Ok(());
+        }
+        self.stream_for(subject, kind).await.map(drop)
+    }
+
+    async fn find_or_create_stream(
+        &self,
+        subject: &str,
+        kind: StreamKind,
+    ) -> Result<stream::Stream, TransportError> {
+        let mut last = None;
+        for attempt in 0..3u32 {
+            if attempt > 0 {
+                tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+            }
             match self.jetstream.stream_by_subject(subject).await {
                 Ok(name) => return self.jetstream.get_stream(&name).await.map_err(api),
                 Err(e) if e.kind() == GetStreamByNameErrorKind::NotFound => {}
                 Err(e) => return Err(api(e)),
             }
+            // Dead letters are kept until replayed or removed by an operator, whatever the
+            // sources' retention: on an interest stream with no consumer the server would
+            // confirm a dead letter and store nothing.
+            let (retention, max_age) = match kind {
+                StreamKind::Source => (
+                    match self.config.retention {
+                        Retention::Limits => RetentionPolicy::Limits,
+                        Retention::Interest => RetentionPolicy::Interest,
+                    },
+                    self.config.max_age.unwrap_or_default(),
+                ),
+                StreamKind::DeadLetters => (RetentionPolicy::Limits, Duration::ZERO),
+            };
             let config = stream::Config {
                 name: stream_name(subject)?,
                 subjects: vec![subject.to_owned()],
-                retention: match self.config.retention {
-                    Retention::Limits => RetentionPolicy::Limits,
-                    Retention::Interest => RetentionPolicy::Interest,
-                },
+                retention,
                 storage: StorageType::File,
-                max_age: self.config.max_age.unwrap_or_default(),
+                max_age,
                 num_replicas: self.config.replicas,
                 description: Some(format!("inbox: messages published to {subject}")),
                 ..stream::Config::default()
@@ -198,26 +303,45 @@ impl NatsTransport {
                 }
                 // Another instance created it (or a stream for an overlapping subject) meanwhile:
                 // look it up again.
-                Err(e) if matches!(e.kind(), CreateStreamErrorKind::JetStream(_)) => {
+                Err(e) if created_meanwhile(&e) => {
                     tracing::debug!(subject, error = %e, "stream not created; looking it up again");
+                    last = Some(e);
                 }
                 Err(e) => return Err(api(e)),
             }
         }
-        Err(TransportError::Refused(
-            format!("no stream holds subject {subject:?}, and creating one failed three times")
-                .into(),
+        Err(last.map_or_else(
+            || TransportError::Refused(format!("no stream for {subject:?}").into()),
+            api,
         ))
     }
 
-    /// The durable pull consumer of `consumer` on `source`'s stream, created if missing.
+    /// The durable pull consumer of `consumer` on `source`'s stream, created if missing. One
+    /// that exists is used as it is — the server cannot change most settings in place — after
+    /// checking what the promise needs: a pull consumer with explicit acks on exactly `source`;
+    /// other differences are logged.
     async fn durable(
         &self,
         source: &str,
         consumer: &str,
+        max_deliveries: Option<u32>,
     ) -> Result<consumer::Consumer<pull::Config>, TransportError> {
-        let stream = self.stream_for(source).await?;
-        let name = durable_name(consumer)?;
+        let stream = self.stream_for(source, StreamKind::Source).await?;
+        let name = durable_name(source, consumer)?;
+        // Above the engine's own limit, whatever the setting: past the server's, JetStream stops
+        // delivering a message without a dead letter.
+        let max_deliver = match (self.config.max_deliver, max_deliveries) {
+            (None, _) => -1,
+            (Some(limit), Some(engine)) if limit <= i64::from(engine) => {
+                tracing::warn!(
+                    max_deliver = limit,
+                    max_deliveries = engine,
+                    "NatsConfig::max_deliver is not above the consumer's max_deliveries; using max_deliveries + 5"
+                );
+                i64::from(engine) + 5
+            }
+            (Some(limit), _) => limit,
+        };
         let config = pull::Config {
             durable_name: Some(name.clone()),
             description: Some(format!("inbox consumer {consumer:?} of {source}")),
@@ -225,17 +349,37 @@ impl NatsTransport {
             deliver_policy: DeliverPolicy::All,
             ack_policy: AckPolicy::Explicit,
             ack_wait: self.config.ack_wait,
-            // Above the engine's own limit (see NatsConfig::max_deliver): past it JetStream stops
-            // delivering a message with no dead letter, only an advisory.
-            max_deliver: self.config.max_deliver.unwrap_or(-1),
+            max_deliver,
             max_ack_pending: self.config.max_ack_pending,
             inactive_threshold: self.config.inactive_threshold.unwrap_or_default(),
             ..pull::Config::default()
         };
-        stream
-            .get_or_create_consumer(&name, config)
+        let durable: consumer::Consumer<pull::Config> = stream
+            .get_or_create_consumer(&name, config.clone())
             .await
-            .map_err(api)
+            .map_err(api)?;
+        let found = &durable.cached_info().config;
+        if found.ack_policy != AckPolicy::Explicit || found.filter_subject != source {
+            return Err(TransportError::Config(format!(
+                "the durable consumer {name:?} on stream {:?} exists with ack policy {:?} and filter {:?}; inbox needs explicit acks on exactly {source:?}",
+                durable.cached_info().stream_name,
+                found.ack_policy,
+                found.filter_subject
+            )));
+        }
+        if found.ack_wait != config.ack_wait
+            || found.max_deliver != config.max_deliver
+            || found.max_ack_pending != config.max_ack_pending
+        {
+            tracing::warn!(
+                durable = %name,
+                ack_wait = ?found.ack_wait,
+                max_deliver = found.max_deliver,
+                max_ack_pending = found.max_ack_pending,
+                "the durable consumer exists with other settings than configured; it is used as it is (delete it to apply the new ones)"
+            );
+        }
+        Ok(durable)
     }
 
     /// Reads the messages `destination` holds, oldest first, without consuming them: for a replay
@@ -247,7 +391,9 @@ impl NatsTransport {
         futures::stream::BoxStream<'static, Result<NatsLetter, TransportError>>,
         TransportError,
     > {
-        let mut stream = self.stream_for(destination).await?;
+        let mut stream = self
+            .stream_for(destination, StreamKind::DeadLetters)
+            .await?;
         let state = stream.info().await.map_err(api)?.state.clone();
         let subject = destination.to_owned();
         // Sequence by sequence up to the last one at the call; deleted ones and other subjects'
@@ -321,7 +467,12 @@ impl NatsTransport {
         message: &OutgoingMessage,
     ) -> Result<(), TransportError> {
         let headers = to_header_map(message, self.config.deduplicate)?;
-        self.stream_for(destination).await?;
+        let kind = if message.headers.get(dead_letter_headers::REASON).is_some() {
+            StreamKind::DeadLetters
+        } else {
+            StreamKind::Source
+        };
+        self.ensure_stream(destination, kind).await?;
         let ack = self
             .jetstream
             .publish_with_headers(destination.to_owned(), headers, message.payload.clone())
@@ -333,6 +484,23 @@ impl NatsTransport {
         }
         Ok(())
     }
+}
+
+/// What a stream holds, which decides how it is created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StreamKind {
+    /// A source: the configured retention and age.
+    Source,
+    /// Dead letters: kept until replayed or removed by an operator.
+    DeadLetters,
+}
+
+/// The server refused to create a stream because one by that name, or one for an overlapping
+/// subject, exists: created by another instance meanwhile (10058 name in use, 10065 subjects
+/// overlap).
+fn created_meanwhile(error: &async_nats::jetstream::context::CreateStreamError) -> bool {
+    matches!(error.kind(), CreateStreamErrorKind::JetStream(answer)
+        if matches!(answer.error_code().0, 10058 | 10065))
 }
 
 /// Aborts its task when dropped.
@@ -360,9 +528,17 @@ impl Transport for NatsTransport {
     }
 
     async fn declare(&self, subscription: &Subscription) -> Result<(), TransportError> {
-        self.durable(&subscription.source, subscription.consumer.as_str())
-            .await
-            .map(drop)
+        self.durable(
+            &subscription.source,
+            subscription.consumer.as_str(),
+            subscription.max_deliveries,
+        )
+        .await?;
+        if let Some(dead_letter) = &subscription.dead_letter {
+            self.stream_for(dead_letter, StreamKind::DeadLetters)
+                .await?;
+        }
+        Ok(())
     }
 
     async fn subscribe(
@@ -370,21 +546,33 @@ impl Transport for NatsTransport {
         subscription: &Subscription,
     ) -> Result<DeliveryStream, TransportError> {
         let consumer = self
-            .durable(&subscription.source, subscription.consumer.as_str())
+            .durable(
+                &subscription.source,
+                subscription.consumer.as_str(),
+                subscription.max_deliveries,
+            )
             .await?;
         if let Some(dead_letter) = &subscription.dead_letter {
-            self.stream_for(dead_letter).await?;
+            self.stream_for(dead_letter, StreamKind::DeadLetters)
+                .await?;
         }
+        // Within the durable's own request limit, where it has one.
+        let server_batch = usize::try_from(consumer.cached_info().config.max_batch)
+            .ok()
+            .filter(|&n| n > 0)
+            .unwrap_or(usize::MAX);
         let messages = consumer
             .stream()
-            .max_messages_per_batch(usize::from(subscription.prefetch.max(1)))
+            .max_messages_per_batch(usize::from(subscription.prefetch.max(1)).min(server_batch))
             .expires(PULL_EXPIRES)
             .heartbeat(PULL_HEARTBEAT)
             .messages()
             .await
             .map_err(api)?;
+        // The server's ack wait, not the configured one: a durable that existed before keeps
+        // its own.
         let (keep_alive, delay, timeout) = (
-            self.config.keep_alive_every(),
+            (consumer.cached_info().config.ack_wait / 3).max(Duration::from_millis(100)),
             self.config.redelivery_delay,
             self.config.request_timeout,
         );
@@ -442,11 +630,31 @@ impl Transport for NatsTransport {
             other => other,
         }
     }
+
+    /// Waits until what the client buffered (naks of deliveries dropped at shutdown, acks) has
+    /// been written to the server.
+    async fn drained(&self) {
+        if let Err(e) = self.client.flush().await {
+            tracing::debug!(error = %e, "NATS client not flushed");
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn credentials_are_taken_out_of_urls() {
+        let (clean, credentials) = split_credentials("nats://me:p%40ss@host:4222");
+        assert_eq!(clean, "nats://host:4222");
+        assert!(matches!(credentials, Some(Credentials::User(u, p)) if u == "me" && p == "p@ss"));
+        let (clean, credentials) = split_credentials("tok@host:4222");
+        assert_eq!(clean, "host:4222");
+        assert!(matches!(credentials, Some(Credentials::Token(t)) if t == "tok"));
+        assert!(split_credentials("nats://host:4222").1.is_none());
+        assert_eq!(redact("s3cret@host:4222"), "***@host:4222");
+    }
 
     #[test]
     fn tokens_and_passwords_are_redacted() {

@@ -87,7 +87,8 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
             .prefetch
             .unwrap_or_else(|| u16::try_from(window).unwrap_or(u16::MAX));
         let subscription = Subscription::new(self.source.clone(), self.name.clone(), prefetch)
-            .with_dead_letter(self.dead_letter_destination());
+            .with_dead_letter(self.dead_letter_destination())
+            .with_max_deliveries(self.settings.retry.max_deliveries);
         let mut tasks = Tasks::new();
         // Ends with the run whatever ends it (a fatal error does not cancel `stop`).
         let sampling = self.stop.child_token();
