@@ -1,5 +1,6 @@
 //! The `inbox` command line, run as a separate process against real PostgreSQL and MariaDB
-//! (`DATABASE_URL`, `MYSQL_URL`), and its dead-letter replay through RabbitMQ (`AMQP_URL`) and Kafka (`KAFKA_BROKERS`).
+//! (`DATABASE_URL`, `MYSQL_URL`), and its dead-letter replay through RabbitMQ (`AMQP_URL`), Kafka
+//! (`KAFKA_BROKERS`), NATS (`NATS_URL`) and Redis (`REDIS_URL`).
 #![cfg(feature = "cli")]
 
 use inbox_test_kit as conformance;
@@ -22,6 +23,8 @@ async fn inbox(database: Option<&str>, args: &[&str]) -> Output {
         .env_remove("DATABASE_URL")
         .env("AMQP_URL", services::amqp_url())
         .env("KAFKA_BROKERS", services::kafka_brokers())
+        .env("NATS_URL", services::nats_url())
+        .env("REDIS_URL", services::redis_url())
         .env("NO_COLOR", "1");
     if let Some(url) = database {
         command.env("DATABASE_URL", url);
@@ -557,6 +560,18 @@ async fn dead_replay_through_rabbitmq() {
 async fn dead_replay_through_kafka() {
     conformance::init_tracing();
     replay_through(&conformance::kafka::Kafka { ordered: true }, "kafka").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_replay_through_nats() {
+    conformance::init_tracing();
+    replay_through(&conformance::nats::Nats::new(), "nats").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_replay_through_redis() {
+    conformance::init_tracing();
+    replay_through(&conformance::redis::Redis::new(), "redis").await;
 }
 
 /// A malformed AMQP URL (`amqp:user:password@host`, the `//` missing) is refused at once, on one

@@ -81,7 +81,6 @@ asyncio.run(main())
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_clients_messages_are_handled_once_by_the_demo() {
     use conformance::demo::DemoConsumer;
-    use conformance::eventually;
     use inbox::nats::testing::Inspect as _;
 
     let url = conformance::services::nats_url();
@@ -89,34 +88,16 @@ async fn another_clients_messages_are_handled_once_by_the_demo() {
     let source = format!("parcels-{}", uuid::Uuid::new_v4().simple());
     // The stream and both durable consumers first, so nothing published before the demo
     // subscribes is missed by either.
-    for consumer in ["notification", "carrier-assignment"] {
-        let subscription = inbox::transport::Subscription::new(
-            source.clone(),
-            inbox::ConsumerName::new(consumer).unwrap(),
-            1,
-        );
-        inbox::Transport::declare(&*broker.transport, &subscription)
-            .await
-            .unwrap();
-    }
+    let consumers = conformance::demo::consumers();
+    conformance::declare_consumers(&*broker.transport, &source, &[&consumers[0], &consumers[1]])
+        .await;
     let demo = DemoConsumer::start("nats", &source, &[("NATS_URL", url.clone())]).await;
     let (events, duplicated, window) = (30usize, 10usize, 10usize);
     publish_with_nats_py(&url, &source, events, duplicated, window).await;
     demo.wait_for_effects(events as i64).await;
-    eventually("every message acked by both consumers", || async {
-        let mut pending = 0;
-        for consumer in ["notification", "carrier-assignment"] {
-            pending += broker
-                .transport
-                .pending(&source, consumer)
-                .await
-                .map_err(|e| e.to_string())?;
-        }
-        if pending == 0 {
-            Ok(())
-        } else {
-            Err(format!("{pending} pending"))
-        }
+    conformance::demo::eventually_acked(|consumer| {
+        let (transport, source) = (&broker.transport, &source);
+        async move { transport.pending(source, &consumer).await }
     })
     .await;
     let database = demo.database.clone();
@@ -136,7 +117,7 @@ async fn a_delivery_in_progress_outlives_the_ack_wait() {
     use inbox::transport::Subscription;
     use std::time::Duration;
 
-    let ack_wait = Duration::from_secs(1);
+    let ack_wait = Duration::from_secs(2);
     let transport = NatsTransport::connect(
         conformance::services::nats_url(),
         NatsConfig::default()

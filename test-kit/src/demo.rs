@@ -112,6 +112,25 @@ impl DemoConsumer {
     }
 }
 
+/// The demo's two consumers, as `--consumer both` runs them.
+pub fn consumers() -> [inbox::ConsumerName; 2] {
+    ["notification", "carrier-assignment"].map(|name| inbox::ConsumerName::new(name).unwrap())
+}
+
+/// Waits until both of the demo's consumers have nothing left: `pending` of each is 0.
+pub async fn eventually_acked<F, Fut>(pending: F)
+where
+    F: Fn(String) -> Fut,
+    Fut: std::future::Future<Output = Result<u64, inbox::TransportError>>,
+{
+    let consumers = consumers();
+    let names: Vec<&inbox::ConsumerName> = consumers.iter().collect();
+    eventually("every message acked by both consumers", || {
+        crate::settled_by_pending(&names, 0, &pending)
+    })
+    .await;
+}
+
 /// Starts `parcel_tracker consume --transport … --database … --source …` and `extra` arguments,
 /// with `env` and `RUST_LOG=log`; stderr piped, killed when dropped.
 pub fn spawn_consume(

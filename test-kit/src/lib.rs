@@ -71,6 +71,53 @@ pub trait BrokerFactory: Send + Sync {
     async fn start(&self, faults: Faults) -> Box<dyn TestBroker>;
 }
 
+/// [`TestBroker::settled`] for a broker that tells what each consumer has left (`pending`: not
+/// yet delivered or not yet acked) beside the deliveries its transport has out (`unsettled`).
+pub async fn settled_by_pending<F, Fut>(
+    consumers: &[&ConsumerName],
+    unsettled: usize,
+    mut pending: F,
+) -> Result<(), String>
+where
+    F: FnMut(String) -> Fut,
+    Fut: std::future::Future<Output = Result<u64, inbox::TransportError>>,
+{
+    let mut left = Vec::new();
+    for consumer in consumers {
+        match pending(consumer.as_str().to_owned())
+            .await
+            .map_err(|e| e.to_string())?
+        {
+            0 => {}
+            n => left.push(format!("{consumer}: {n} pending or unacked")),
+        }
+    }
+    if unsettled > 0 {
+        left.push(format!("{unsettled} deliveries unsettled"));
+    }
+    if left.is_empty() {
+        Ok(())
+    } else {
+        Err(left.join("; "))
+    }
+}
+
+/// Declares `consumers` of `source` on `transport` (streams, groups, durables), so that nothing
+/// published before they first subscribe is missed.
+pub async fn declare_consumers(
+    transport: &dyn Transport,
+    source: &str,
+    consumers: &[&ConsumerName],
+) {
+    for consumer in consumers {
+        let subscription = inbox::transport::Subscription::new(source, (*consumer).clone(), 1);
+        transport
+            .declare(&subscription)
+            .await
+            .expect("declare the consumer");
+    }
+}
+
 /// Logs to the test output, filtered by `TEST_LOG` (for example `TEST_LOG=inbox_core=debug`).
 pub fn init_tracing() {
     let filter =

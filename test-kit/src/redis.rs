@@ -58,35 +58,15 @@ impl TestBroker for RedisTestBroker {
         self.transport.clone()
     }
     async fn prepare(&self, source: &str, consumers: &[&ConsumerName]) {
-        for consumer in consumers {
-            let subscription = inbox::transport::Subscription::new(source, (*consumer).clone(), 1);
-            self.transport
-                .declare(&subscription)
-                .await
-                .expect("declare the consumer group");
-        }
+        crate::declare_consumers(&*self.transport, source, consumers).await;
     }
     async fn settled(&self, source: &str, consumers: &[&ConsumerName]) -> Result<(), String> {
-        let mut left = Vec::new();
-        for consumer in consumers {
-            let pending = self
-                .transport
-                .pending(source, consumer.as_str())
-                .await
-                .map_err(|e| e.to_string())?;
-            if pending > 0 {
-                left.push(format!("{consumer}: {pending} pending or unread"));
-            }
-        }
-        match self.transport.unsettled() {
-            0 => {}
-            n => left.push(format!("{n} deliveries unsettled")),
-        }
-        if left.is_empty() {
-            Ok(())
-        } else {
-            Err(left.join("; "))
-        }
+        crate::settled_by_pending(
+            consumers,
+            self.transport.unsettled(),
+            |consumer| async move { self.transport.pending(source, &consumer).await },
+        )
+        .await
     }
     async fn published(&self, destination: &str) -> Vec<OutgoingMessage> {
         self.transport

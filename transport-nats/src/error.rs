@@ -27,68 +27,38 @@ pub(crate) trait Kind:
     }
 }
 
-impl Kind for CreateStreamErrorKind {
-    fn answer(&self) -> Option<&ApiError> {
-        match self {
-            Self::JetStream(e) => Some(e),
-            _ => None,
+/// `Kind` for an error kind: `answer` from its `JetStream(_)` variant where it has one, `invalid`
+/// for the variants listed.
+macro_rules! kind {
+    ($kind:ty, answer, invalid: $($invalid:ident)|*) => {
+        impl Kind for $kind {
+            fn answer(&self) -> Option<&ApiError> {
+                match self {
+                    Self::JetStream(e) => Some(e),
+                    _ => None,
+                }
+            }
+            fn invalid(&self) -> bool {
+                matches!(self, $(Self::$invalid)|*)
+            }
         }
-    }
-    fn invalid(&self) -> bool {
-        matches!(
-            self,
-            Self::EmptyStreamName | Self::InvalidStreamName | Self::DomainAndExternalSet
-        )
-    }
+    };
+    ($kind:ty, invalid: $($invalid:ident)|*) => {
+        impl Kind for $kind {
+            fn invalid(&self) -> bool {
+                matches!(self, $(Self::$invalid)|*)
+            }
+        }
+    };
 }
 
-impl Kind for GetStreamErrorKind {
-    fn answer(&self) -> Option<&ApiError> {
-        match self {
-            Self::JetStream(e) => Some(e),
-            _ => None,
-        }
-    }
-    fn invalid(&self) -> bool {
-        matches!(self, Self::EmptyName | Self::InvalidStreamName)
-    }
-}
-
-impl Kind for GetStreamByNameErrorKind {
-    fn answer(&self) -> Option<&ApiError> {
-        match self {
-            Self::JetStream(e) => Some(e),
-            _ => None,
-        }
-    }
-    fn invalid(&self) -> bool {
-        matches!(self, Self::InvalidSubject)
-    }
-}
-
-impl Kind for ConsumerErrorKind {
-    fn answer(&self) -> Option<&ApiError> {
-        match self {
-            Self::JetStream(e) => Some(e),
-            _ => None,
-        }
-    }
-    fn invalid(&self) -> bool {
-        matches!(self, Self::InvalidConsumerType | Self::InvalidName)
-    }
-}
-
-impl Kind for LastRawMessageErrorKind {
-    fn answer(&self) -> Option<&ApiError> {
-        match self {
-            Self::JetStream(e) => Some(e),
-            _ => None,
-        }
-    }
-    fn invalid(&self) -> bool {
-        matches!(self, Self::InvalidSubject)
-    }
-}
+kind!(CreateStreamErrorKind, answer, invalid: EmptyStreamName | InvalidStreamName | DomainAndExternalSet);
+kind!(GetStreamErrorKind, answer, invalid: EmptyName | InvalidStreamName);
+kind!(GetStreamByNameErrorKind, answer, invalid: InvalidSubject);
+kind!(ConsumerErrorKind, answer, invalid: InvalidConsumerType | InvalidName);
+kind!(LastRawMessageErrorKind, answer, invalid: InvalidSubject);
+kind!(ConsumerInfoErrorKind, answer, invalid: InvalidName);
+kind!(RequestErrorKind, invalid: InvalidSubject);
 
 impl Kind for DeleteMessageErrorKind {
     fn answer(&self) -> Option<&ApiError> {
@@ -96,24 +66,6 @@ impl Kind for DeleteMessageErrorKind {
             Self::JetStream(e) => Some(e),
             _ => None,
         }
-    }
-}
-
-impl Kind for ConsumerInfoErrorKind {
-    fn answer(&self) -> Option<&ApiError> {
-        match self {
-            Self::JetStream(e) => Some(e),
-            _ => None,
-        }
-    }
-    fn invalid(&self) -> bool {
-        matches!(self, Self::InvalidName)
-    }
-}
-
-impl Kind for RequestErrorKind {
-    fn invalid(&self) -> bool {
-        matches!(self, Self::InvalidSubject)
     }
 }
 

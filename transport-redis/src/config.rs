@@ -84,15 +84,16 @@ impl RedisConfig {
         self
     }
 
-    /// Sets the response timeout of commands other than the blocking read.
+    /// Sets the response timeout of commands other than the blocking read (at least 100 ms).
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
-        self.response_timeout = timeout;
+        self.response_timeout = timeout.max(Duration::from_millis(100));
         self
     }
 
-    /// Sets after how long an idle consumer with nothing pending is removed from its group.
+    /// Sets after how long an idle consumer with nothing pending is removed from its group (at
+    /// least a minute).
     pub fn forget_idle_consumers(mut self, after: Duration) -> Self {
-        self.forget_idle_consumers = after;
+        self.forget_idle_consumers = after.max(Duration::from_secs(60));
         self
     }
 
@@ -100,6 +101,23 @@ impl RedisConfig {
     pub fn trim(mut self, trim: Trim) -> Self {
         self.trim = trim;
         self
+    }
+
+    /// Refuses settings the transport cannot work with (the fields are public, so the setters'
+    /// limits can be bypassed).
+    pub(crate) fn check(&self) -> Result<(), inbox_core::TransportError> {
+        let fine = self.visibility_timeout >= Duration::from_secs(1)
+            && self.claim_interval >= Duration::from_millis(10)
+            && self.block >= Duration::from_millis(10)
+            && !self.response_timeout.is_zero()
+            && self.forget_idle_consumers >= self.visibility_timeout;
+        if fine {
+            Ok(())
+        } else {
+            Err(inbox_core::TransportError::Config(format!(
+                "RedisConfig out of range (visibility_timeout >= 1 s, claim_interval and block >= 10 ms, response_timeout > 0, forget_idle_consumers >= visibility_timeout): {self:?}"
+            )))
+        }
     }
 
     /// How often a delivery in progress resets its idle time.

@@ -64,7 +64,8 @@ pub struct RedisDelivery {
     entry: Entry,
     place: Place,
     conn: ConnectionManager,
-    delivered: u32,
+    /// From `XPENDING` for a claimed entry (unknown when it could not be read); 1 for a new one.
+    delivered: Option<u32>,
     keep_alive: tokio::task::JoinHandle<()>,
     unsettled: Arc<AtomicUsize>,
     handed_back_idle: Duration,
@@ -85,7 +86,7 @@ impl fmt::Debug for RedisDelivery {
 impl RedisDelivery {
     pub(crate) fn new(
         entry: Entry,
-        delivered: u32,
+        delivered: Option<u32>,
         place: Place,
         conn: ConnectionManager,
         config: &crate::RedisConfig,
@@ -149,11 +150,11 @@ impl Delivery for RedisDelivery {
     }
 
     fn redelivered(&self) -> bool {
-        self.delivered > 1
+        self.delivered != Some(1)
     }
 
     fn delivery_count(&self) -> Option<u32> {
-        Some(self.delivered)
+        self.delivered
     }
 
     fn coordinates(&self) -> Option<String> {

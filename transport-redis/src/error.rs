@@ -3,29 +3,23 @@
 use inbox_core::TransportError;
 use redis::RedisError;
 
-/// Transient: the connection is gone or refused, a reply timed out, the server is loading its
-/// data or read-only (a replica promoted), a group was deleted under a subscription (subscribing
-/// again declares it). Anything else the server refused is permanent.
+/// Permanent: the server refused the command itself — a key of another type, no permission,
+/// wrong credentials, a command or syntax it does not know, a cluster redirect this client does
+/// not follow. Everything else passes with time, and is transient: the connection gone or
+/// refused, a timeout, and the server's own conditions (`LOADING`, `BUSY`, `MISCONF` after a
+/// failed save, `NOREPLICAS`, `OOM` at maxmemory, `UNBLOCKED`, `READONLY` after a failover,
+/// `NOGROUP` — subscribing again declares the group —, too many clients).
 pub(crate) fn transport_error(error: RedisError) -> TransportError {
-    let passing = error.is_io_error()
-        || error.is_connection_dropped()
-        || error.is_connection_refusal()
-        || error.is_timeout()
-        || matches!(
-            error.code(),
-            Some(
-                "LOADING"
-                    | "BUSY"
-                    | "TRYAGAIN"
-                    | "MASTERDOWN"
-                    | "READONLY"
-                    | "NOGROUP"
-                    | "CLUSTERDOWN"
-            )
-        );
-    if passing {
-        TransportError::Disconnected(Box::new(error))
-    } else {
+    let refused = match error.code() {
+        Some("WRONGTYPE" | "NOPERM" | "WRONGPASS" | "NOAUTH" | "MOVED" | "ASK" | "CROSSSLOT") => {
+            true
+        }
+        Some("ERR") => !error.to_string().contains("max number of clients"),
+        _ => false,
+    };
+    if refused {
         TransportError::Refused(Box::new(error))
+    } else {
+        TransportError::Disconnected(Box::new(error))
     }
 }

@@ -22,13 +22,15 @@ use crate::error::transport_error;
 use crate::wire::{self, Entry};
 use crate::{RedisConfig, Trim};
 
-/// A Redis server (6.2 or later: `XAUTOCLAIM`) reached through a `redis://` or `rediss://` URL.
+/// A Redis server (7.0 or later: its `XAUTOCLAIM` removes deleted entries from the pending list)
+/// reached through a `redis://` or `rediss://` URL.
 ///
 /// Commands share one connection that reconnects by itself; each subscription reads on a
 /// connection of its own (`XREADGROUP … BLOCK` holds its connection), and a subscription whose
 /// connection breaks ends with an error, after which the consumer subscribes again.
 pub struct RedisTransport {
-    url: String,
+    /// The server's address, without credentials (for logs and `Debug`).
+    server: String,
     pub(crate) config: RedisConfig,
     client: Client,
     pub(crate) conn: ConnectionManager,
@@ -40,7 +42,7 @@ pub struct RedisTransport {
 impl fmt::Debug for RedisTransport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisTransport")
-            .field("url", &inbox_core::redact_url(&self.url))
+            .field("server", &self.server)
             .field("config", &self.config)
             .field("instance", &self.instance)
             .finish()
@@ -55,22 +57,25 @@ impl RedisTransport {
         config: RedisConfig,
     ) -> Result<Self, TransportError> {
         let url = url.into();
-        let shown = inbox_core::redact_url(&url);
-        let hide = |e: redis::RedisError| {
-            TransportError::Disconnected(
-                format!(
-                    "cannot connect to Redis at {shown}: {}",
-                    e.to_string().replace(&url, &shown)
-                )
-                .into(),
-            )
-        };
+        // The URL is not quoted: a password can also sit in its query (`?pass=`).
         let client = Client::open(url.as_str()).map_err(|e| {
             TransportError::Config(format!(
-                "invalid Redis URL {shown}: {}",
-                e.to_string().replace(&url, &shown)
+                "invalid Redis URL: {}",
+                e.to_string().replace(&url, "<url>")
             ))
         })?;
+        Self::connect_with_client(client, config).await
+    }
+
+    /// Connects with a client of your own: TLS with client certificates
+    /// (`redis::Client::build_with_tls`), or other connection settings redis-rs offers.
+    pub async fn connect_with_client(
+        client: Client,
+        config: RedisConfig,
+    ) -> Result<Self, TransportError> {
+        config.check()?;
+        let info = client.get_connection_info();
+        let shown = info.addr().to_string();
         let conn = ConnectionManager::new_with_config(
             client.clone(),
             ConnectionManagerConfig::new()
@@ -79,15 +84,17 @@ impl RedisTransport {
                 .set_max_delay(Duration::from_secs(5)),
         )
         .await
-        .map_err(hide)?;
-        tracing::info!(url = %shown, "connected to Redis");
+        .map_err(|e| {
+            TransportError::Disconnected(format!("cannot connect to Redis at {shown}: {e}").into())
+        })?;
+        tracing::info!(server = %shown, "connected to Redis");
         let instance = format!(
             "inbox-{}-{}",
             std::process::id(),
             &uuid::Uuid::new_v4().simple().to_string()[..8]
         );
         Ok(Self {
-            url,
+            server: shown,
             config,
             client,
             conn,
@@ -201,7 +208,9 @@ struct Reader {
     prefetch: usize,
     config: RedisConfig,
     unsettled: Arc<AtomicUsize>,
-    ready: VecDeque<(Entry, u32)>,
+    /// Read or claimed, not yet taken by the engine: deliveries already, so their idle time is
+    /// kept from the moment they were read, and a dropped stream hands them back.
+    ready: VecDeque<RedisDelivery>,
     cursor: String,
     next_claim: Instant,
     next_housekeeping: Instant,
@@ -211,15 +220,8 @@ struct Reader {
 impl Reader {
     async fn next(&mut self) -> Result<Box<dyn Delivery>, TransportError> {
         loop {
-            if let Some((entry, delivered)) = self.ready.pop_front() {
-                return Ok(Box::new(RedisDelivery::new(
-                    entry,
-                    delivered,
-                    self.place.clone(),
-                    self.conn.clone(),
-                    &self.config,
-                    &self.unsettled,
-                )));
+            if let Some(delivery) = self.ready.pop_front() {
+                return Ok(Box::new(delivery));
             }
             let now = Instant::now();
             if now >= self.next_housekeeping {
@@ -236,8 +238,10 @@ impl Reader {
                 self.trim().await;
             }
             if now >= self.next_claim {
-                let found = self.claim().await?;
-                if found == 0 || self.cursor == "0-0" {
+                self.claim().await?;
+                // A pending list longer than one call: the scan goes on at once until it is
+                // through.
+                if self.cursor == "0-0" {
                     self.next_claim = Instant::now() + self.config.claim_interval;
                 }
                 continue;
@@ -261,9 +265,22 @@ impl Reader {
                 .query_async(&mut self.reading)
                 .await
                 .map_err(transport_error)?;
-            self.ready
-                .extend(wire::read_reply(&reply).into_iter().map(|e| (e, 1)));
+            for entry in wire::read_reply(&reply) {
+                let delivery = self.delivery(entry, Some(1));
+                self.ready.push_back(delivery);
+            }
         }
+    }
+
+    fn delivery(&self, entry: Entry, delivered: Option<u32>) -> RedisDelivery {
+        RedisDelivery::new(
+            entry,
+            delivered,
+            self.place.clone(),
+            self.conn.clone(),
+            &self.config,
+            &self.unsettled,
+        )
     }
 
     /// `XAUTOCLAIM`s entries idle past the visibility timeout, with their delivery counts from
@@ -285,59 +302,51 @@ impl Reader {
         if claimed.is_empty() {
             return Ok(0);
         }
-        let counts = self.delivery_counts(&claimed).await?;
+        // Claimed, the entries are ours: delivered even when their counts cannot be read (the
+        // count is then unknown, not made up).
+        let counts = match self.delivery_counts(&claimed).await {
+            Ok(counts) => counts,
+            Err(e) => {
+                tracing::debug!(error = %e, "delivery counts not read");
+                HashMap::new()
+            }
+        };
         let found = claimed.len();
         for entry in claimed {
-            // Claimed just now: counted at least twice.
-            let delivered = counts.get(&entry.id).copied().unwrap_or(2);
-            self.ready.push_back((entry, delivered));
+            let delivered = counts.get(&entry.id).copied();
+            let delivery = self.delivery(entry, delivered);
+            self.ready.push_back(delivery);
         }
         Ok(found)
     }
 
-    /// The delivery counts of `entries` (this consumer's, pending), from one `XPENDING` range.
+    /// The delivery counts of `entries`, one `XPENDING <stream> <group> <id> <id> 1` each, in
+    /// one round trip.
     async fn delivery_counts(
         &mut self,
         entries: &[Entry],
     ) -> Result<HashMap<String, u32>, TransportError> {
-        let (first, last) = entries.iter().fold((None, None), |(lo, hi), e| {
-            let key = wire::id_key(&e.id);
-            (
-                Some(lo.map_or(
-                    (key, &e.id),
-                    |(k, id)| if key < k { (key, &e.id) } else { (k, id) },
-                )),
-                Some(hi.map_or(
-                    (key, &e.id),
-                    |(k, id)| if key > k { (key, &e.id) } else { (k, id) },
-                )),
-            )
-        });
-        let (Some((_, first)), Some((_, last))) = (first, last) else {
-            return Ok(HashMap::new());
-        };
-        let reply: Value = redis::cmd("XPENDING")
-            .arg(&*self.place.stream)
-            .arg(&*self.place.group)
-            .arg(first)
-            .arg(last)
-            .arg(entries.len().max(self.prefetch) * 4)
-            .arg(&*self.place.consumer)
+        let mut pipe = redis::pipe();
+        for entry in entries {
+            pipe.cmd("XPENDING")
+                .arg(&*self.place.stream)
+                .arg(&*self.place.group)
+                .arg(&entry.id)
+                .arg(&entry.id)
+                .arg(1);
+        }
+        let replies: Vec<Value> = pipe
             .query_async(&mut self.conn)
             .await
             .map_err(transport_error)?;
         let mut counts = HashMap::new();
-        if let Value::Array(rows) = reply {
-            for row in rows {
-                if let Value::Array(fields) = row
-                    && let (Some(Value::BulkString(id)), Some(Value::Int(n))) =
-                        (fields.first(), fields.get(3))
-                {
-                    counts.insert(
-                        String::from_utf8_lossy(id).into_owned(),
-                        u32::try_from(*n).unwrap_or(u32::MAX),
-                    );
-                }
+        for reply in replies {
+            if let Value::Array(rows) = reply
+                && let Some(Value::Array(fields)) = rows.first()
+                && let (Some(id), Some(Value::Int(n))) =
+                    (fields.first().and_then(as_text), fields.get(3))
+            {
+                counts.insert(id, u32::try_from(*n).unwrap_or(u32::MAX));
             }
         }
         Ok(counts)
@@ -345,37 +354,23 @@ impl Reader {
 
     /// Removes other consumers of the group that have nothing pending and have been idle longer
     /// than [`RedisConfig::forget_idle_consumers`]: crashed instances, once their entries were
-    /// claimed. Best effort: a failure waits for the next round.
+    /// claimed. In one script, so a consumer that reads between the look and the removal keeps
+    /// what it read. Best effort: a failure waits for the next round.
     async fn forget_idle_consumers(&mut self) {
-        let reply: redis::RedisResult<Value> = redis::cmd("XINFO")
-            .arg("CONSUMERS")
-            .arg(&*self.place.stream)
+        let removed: redis::RedisResult<Vec<Value>> = redis::Script::new(FORGET_IDLE)
+            .key(&*self.place.stream)
             .arg(&*self.place.group)
-            .query_async(&mut self.conn)
+            .arg(&*self.place.consumer)
+            .arg(self.config.forget_idle_consumers.as_millis() as u64)
+            .invoke_async(&mut self.conn)
             .await;
-        let Ok(Value::Array(consumers)) = reply else {
-            return;
-        };
-        let limit = self.config.forget_idle_consumers.as_millis() as i64;
-        for consumer in consumers {
-            let fields = pairs(&consumer);
-            let name = fields.get("name").and_then(as_text);
-            let pending = fields.get("pending").and_then(as_int).unwrap_or(1);
-            let idle = fields.get("idle").and_then(as_int).unwrap_or(0);
-            let Some(name) = name else { continue };
-            if name == *self.place.consumer || pending > 0 || idle < limit {
-                continue;
+        match removed {
+            Ok(names) => {
+                for name in names.iter().filter_map(as_text) {
+                    tracing::info!(stream = %self.place.stream, group = %self.place.group, consumer = %name, "removed an idle consumer with nothing pending (a crashed instance)");
+                }
             }
-            let removed: redis::RedisResult<i64> = redis::cmd("XGROUP")
-                .arg("DELCONSUMER")
-                .arg(&*self.place.stream)
-                .arg(&*self.place.group)
-                .arg(&name)
-                .query_async(&mut self.conn)
-                .await;
-            if removed.is_ok() {
-                tracing::info!(stream = %self.place.stream, group = %self.place.group, consumer = %name, "removed an idle consumer with nothing pending (a crashed instance)");
-            }
+            Err(e) => tracing::debug!(error = %e, "idle consumers not looked at"),
         }
     }
 
@@ -391,88 +386,63 @@ impl Reader {
     }
 }
 
-/// `XTRIM <stream> MINID <id>` up to the oldest entry any group has pending or not yet read;
-/// returns how many entries went. Nothing goes when the stream has no group.
+/// Removes the group's consumers other than `ARGV[2]` with nothing pending, idle at least
+/// `ARGV[3]` ms; returns their names.
+const FORGET_IDLE: &str = r"
+local removed = {}
+for _, consumer in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local fields = {}
+  for i = 1, #consumer, 2 do fields[consumer[i]] = consumer[i + 1] end
+  if fields['name'] ~= ARGV[2] and fields['pending'] == 0 and fields['idle'] >= tonumber(ARGV[3]) then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], fields['name'])
+    table.insert(removed, fields['name'])
+  end
+end
+return removed
+";
+
+/// `XTRIM <stream> MINID <floor>`, the floor being the oldest entry any group has pending or not
+/// yet read (its last delivered id, or its oldest pending one); all in one script, so a group
+/// created or moved meanwhile is not trimmed under. Returns how many entries went.
+const TRIM_ACKNOWLEDGED: &str = r"
+local function parse(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local floor, floor_ms, floor_seq
+local function lower(id)
+  local ms, seq = parse(id)
+  if floor == nil or ms < floor_ms or (ms == floor_ms and seq < floor_seq) then
+    floor, floor_ms, floor_seq = id, ms, seq
+  end
+end
+local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
+if #groups == 0 then return 0 end
+for _, group in ipairs(groups) do
+  local fields = {}
+  for i = 1, #group, 2 do fields[group[i]] = group[i + 1] end
+  lower(fields['last-delivered-id'])
+  if fields['pending'] > 0 then
+    local summary = redis.call('XPENDING', KEYS[1], fields['name'])
+    if summary[2] then lower(summary[2]) end
+  end
+end
+if floor_ms == 0 and floor_seq == 0 then return 0 end
+return redis.call('XTRIM', KEYS[1], 'MINID', floor)
+";
+
+/// Trims what every group acknowledged ([`TRIM_ACKNOWLEDGED`]); returns how many entries went.
+/// Nothing goes when the stream has no group.
 pub(crate) async fn trim_acknowledged(
     conn: &mut ConnectionManager,
     stream: &str,
 ) -> Result<u64, TransportError> {
-    let groups: Value = redis::cmd("XINFO")
-        .arg("GROUPS")
-        .arg(stream)
-        .query_async(conn)
-        .await
-        .map_err(transport_error)?;
-    let groups = match groups {
-        Value::Array(groups) => groups,
-        Value::Set(groups) => groups,
-        _ => Vec::new(),
-    };
-    let unreadable =
-        || TransportError::Refused(format!("XINFO GROUPS {stream}: unexpected reply").into());
-    let mut floor: Option<(u64, u64)> = None;
-    for group in groups {
-        let fields = pairs(&group);
-        let name = fields
-            .get("name")
-            .and_then(as_text)
-            .ok_or_else(unreadable)?;
-        let last = fields
-            .get("last-delivered-id")
-            .and_then(as_text)
-            .ok_or_else(unreadable)?;
-        // Entries after the last delivered one are unread; at it and before, acked unless
-        // pending.
-        let mut bound = wire::id_key(&last);
-        if fields
-            .get("pending")
-            .and_then(as_int)
-            .ok_or_else(unreadable)?
-            > 0
-        {
-            let summary: Value = redis::cmd("XPENDING")
-                .arg(stream)
-                .arg(&name)
-                .query_async(conn)
-                .await
-                .map_err(transport_error)?;
-            let oldest = match &summary {
-                Value::Array(summary) => summary.get(1).and_then(as_text),
-                _ => None,
-            }
-            .ok_or_else(unreadable)?;
-            bound = bound.min(wire::id_key(&oldest));
-        }
-        floor = Some(floor.map_or(bound, |f| f.min(bound)));
-    }
-    let Some((ms, seq)) = floor.filter(|f| *f > (0, 0)) else {
-        return Ok(0);
-    };
-    // Exact, not `~`: the bound is what the groups need, and trimming whole nodes only could
-    // leave most of a small stream untrimmed for ever.
-    let trimmed: i64 = redis::cmd("XTRIM")
-        .arg(stream)
-        .arg("MINID")
-        .arg(format!("{ms}-{seq}"))
-        .query_async(conn)
+    let trimmed: i64 = redis::Script::new(TRIM_ACKNOWLEDGED)
+        .key(stream)
+        .invoke_async(conn)
         .await
         .map_err(transport_error)?;
     Ok(u64::try_from(trimmed).unwrap_or(0))
-}
-
-/// The field-value pairs of an `XINFO` row (RESP2 flat array or RESP3 map).
-fn pairs(value: &Value) -> HashMap<String, Value> {
-    match value {
-        Value::Array(flat) => flat
-            .chunks_exact(2)
-            .filter_map(|p| Some((as_text(&p[0])?, p[1].clone())))
-            .collect(),
-        Value::Map(map) => map
-            .iter()
-            .filter_map(|(k, v)| Some((as_text(k)?, v.clone())))
-            .collect(),
-        _ => HashMap::new(),
-    }
 }
 
 fn as_text(value: &Value) -> Option<String> {
@@ -480,13 +450,6 @@ fn as_text(value: &Value) -> Option<String> {
         Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
         Value::SimpleString(s) => Some(s.clone()),
         _ => None,
-    }
-}
-
-fn as_int(value: &Value) -> Option<i64> {
-    match value {
-        Value::Int(n) => Some(*n),
-        other => as_text(other)?.parse().ok(),
     }
 }
 

@@ -131,12 +131,6 @@ pub(crate) fn autoclaim_reply(value: &Value) -> (String, Vec<Entry>) {
     }
 }
 
-/// A stream entry id as a number pair, for comparing.
-pub(crate) fn id_key(id: &str) -> (u64, u64) {
-    let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
-    (ms.parse().unwrap_or(0), seq.parse().unwrap_or(0))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -175,11 +169,5 @@ mod tests {
         let names: Vec<&[u8]> = fields.iter().map(|(n, _)| &n[..]).collect();
         assert_eq!(names, [&b"message-id"[..], b"payload", b"tenant"]);
         assert_eq!(&fields[1].1[..], b"{}");
-    }
-
-    #[test]
-    fn ids_compare_as_numbers() {
-        assert!(id_key("10-0") > id_key("9-5"));
-        assert!(id_key("9-10") > id_key("9-9"));
     }
 }
