@@ -210,3 +210,85 @@ async fn trimming_never_removes_an_unacknowledged_entry() {
     assert_eq!(transport.pending(&source, "slow").await.unwrap(), 98);
     assert_eq!(transport.pending(&source, "fast").await.unwrap(), 0);
 }
+
+/// A crashed instance's consumer leaves the group once another instance has claimed its entry
+/// and it stayed idle past the limit; the survivor stays and handles the entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_instance_is_removed_from_its_group_once_its_entries_are_claimed() {
+    let mut config = RedisConfig::default()
+        .visibility_timeout(Duration::from_secs(1))
+        .claim_interval(Duration::from_millis(50))
+        .block(Duration::from_millis(100));
+    // Below the setter's floor of a minute, for the test (the field is public; the transport
+    // only checks that it is not below the visibility timeout).
+    config.forget_idle_consumers = Duration::from_secs(1);
+    let survivor = transport(config).await;
+    let source = format!("forget-{}", uuid::Uuid::new_v4().simple());
+    let subscription = Subscription::new(source.clone(), ConsumerName::new("c").unwrap(), 1);
+    survivor.declare(&subscription).await.unwrap();
+    survivor
+        .publish(&source, OutgoingMessage::new("m-1", "{}"))
+        .await
+        .unwrap();
+    // The crashed instance: a consumer of the group that read the entry and was killed (no
+    // keep-alive, no hand-back; a transport in this process would still keep it alive).
+    let mut conn = inbox::redis::redis::Client::open(conformance::services::redis_url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: inbox::redis::redis::Value = inbox::redis::redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("c")
+        .arg("inbox-crashed")
+        .arg("COUNT")
+        .arg(1)
+        .arg("STREAMS")
+        .arg(&source)
+        .arg(">")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let consumers = || async {
+        let mut conn = inbox::redis::redis::Client::open(conformance::services::redis_url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let reply: inbox::redis::redis::Value = inbox::redis::redis::cmd("XINFO")
+            .arg("CONSUMERS")
+            .arg(&source)
+            .arg("c")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        match reply {
+            inbox::redis::redis::Value::Array(consumers) => consumers.len(),
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(consumers().await, 1);
+    let mut stream = survivor.subscribe(&subscription).await.unwrap();
+    let claimed = tokio::time::timeout(conformance::DEADLINE, stream.next())
+        .await
+        .expect("claimed after the visibility timeout")
+        .unwrap()
+        .unwrap();
+    assert_eq!(claimed.delivery_count(), Some(2));
+    // The survivor's reader looks for idle consumers twice a second while it waits.
+    let poll = async {
+        conformance::eventually("the crashed instance removed", || async {
+            match consumers().await {
+                1 => Ok(()),
+                n => Err(format!("{n} consumers")),
+            }
+        })
+        .await
+    };
+    tokio::select! {
+        () = poll => {}
+        next = stream.next() => panic!("nothing else to deliver: {:?}", next.map(|d| d.map(|d| d.delivery_count()))),
+    }
+    claimed.ack(AckToken::for_transport_tests()).await.unwrap();
+    assert_eq!(survivor.pending(&source, "c").await.unwrap(), 0);
+}

@@ -225,8 +225,10 @@ impl Reader {
             }
             let now = Instant::now();
             if now >= self.next_housekeeping {
-                self.next_housekeeping =
-                    now + self.config.claim_interval.max(Duration::from_secs(60));
+                // Twice per idle limit, at most once a minute.
+                self.next_housekeeping = now
+                    + (self.config.forget_idle_consumers / 2)
+                        .clamp(self.config.claim_interval, Duration::from_secs(60));
                 self.forget_idle_consumers().await;
             }
             if let Some(at) = self.next_trim
