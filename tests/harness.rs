@@ -523,6 +523,32 @@ async fn memory_crashes() {
 type Unsettled =
     Arc<dyn Fn() -> futures::future::BoxFuture<'static, Result<u64, String>> + Send + Sync>;
 
+/// [`Unsettled`] for a transport that tells what each consumer has left (NATS, Redis): `pending`
+/// of the demo's two consumers on `source`, summed.
+fn unsettled_by_pending<T: Send + Sync + 'static>(
+    transport: &Arc<T>,
+    source: &str,
+    pending: for<'a> fn(
+        &'a T,
+        &'a str,
+        &'a str,
+    ) -> futures::future::BoxFuture<'a, Result<u64, inbox::TransportError>>,
+) -> Unsettled {
+    let (transport, source) = (Arc::clone(transport), source.to_owned());
+    Arc::new(move || {
+        let (transport, source) = (Arc::clone(&transport), source.clone());
+        Box::pin(async move {
+            let mut total = 0;
+            for consumer in ["notification", "carrier-assignment"] {
+                total += pending(&transport, &source, consumer)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok(total)
+        })
+    })
+}
+
 /// One real broker, as the harness needs it.
 struct Broker {
     name: &'static str,
@@ -1505,22 +1531,9 @@ mod nats {
             .expect("connect to NATS at NATS_URL"),
         );
         let source = format!("harness-{}", uuid::Uuid::new_v4().simple());
-        let unsettled: Unsettled = {
-            let (transport, source) = (Arc::clone(&transport), source.clone());
-            Arc::new(move || {
-                let (transport, source) = (Arc::clone(&transport), source.clone());
-                Box::pin(async move {
-                    let mut total = 0;
-                    for consumer in ["notification", "carrier-assignment"] {
-                        total += transport
-                            .pending(&source, consumer)
-                            .await
-                            .map_err(|e| e.to_string())?;
-                    }
-                    Ok(total)
-                })
-            })
-        };
+        let unsettled = unsettled_by_pending(&transport, &source, |t, source, consumer| {
+            t.pending(source, consumer)
+        });
         Broker {
             name: "nats",
             transport,
@@ -1641,22 +1654,9 @@ mod redis {
                 .expect("connect to Redis"),
         );
         let source = format!("harness-{}", uuid::Uuid::new_v4().simple());
-        let unsettled: Unsettled = {
-            let (transport, source) = (Arc::clone(&transport), source.clone());
-            Arc::new(move || {
-                let (transport, source) = (Arc::clone(&transport), source.clone());
-                Box::pin(async move {
-                    let mut total = 0;
-                    for consumer in ["notification", "carrier-assignment"] {
-                        total += transport
-                            .pending(&source, consumer)
-                            .await
-                            .map_err(|e| e.to_string())?;
-                    }
-                    Ok(total)
-                })
-            })
-        };
+        let unsettled = unsettled_by_pending(&transport, &source, |t, source, consumer| {
+            t.pending(source, consumer)
+        });
         Broker {
             name: "redis",
             transport,

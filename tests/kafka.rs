@@ -62,10 +62,8 @@ async fn another_clients_records_are_handled_once_by_the_demo() {
         }
     })
     .await;
-    let database = demo.database.clone();
-    let stderr = demo.stop().await;
-    println!("{stderr}");
-    DemoConsumer::assert_exactly_once(&database, &stderr, events as u64, duplicated as u64).await;
+    demo.stop_exactly_once(events as u64, duplicated as u64)
+        .await;
 }
 
 /// Hostile input produced by confluent-kafka to the demo's consumers running as a separate

@@ -55,24 +55,13 @@ async def main():
     await nc.close()
 asyncio.run(main())
 "#;
-    let output = tokio::process::Command::new("python3")
-        .args([
-            "-c",
-            script,
-            url,
-            subject,
-            &events.to_string(),
-            &duplicated.to_string(),
-            &window.to_string(),
-        ])
-        .output()
-        .await
-        .expect("python3 runs");
-    assert!(
-        output.status.success(),
-        "nats-py publisher (scripts/test installs it): {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let counts = [events, duplicated, window].map(|n| n.to_string());
+    conformance::python(
+        "nats-py publisher",
+        script,
+        &[url, subject, &counts[0], &counts[1], &counts[2]],
+    )
+    .await;
 }
 
 /// Messages published by PyPI's `nats-py` (not our code), with ids in `message-id` or only in
@@ -100,10 +89,8 @@ async fn another_clients_messages_are_handled_once_by_the_demo() {
         async move { transport.pending(source, &consumer).await }
     })
     .await;
-    let database = demo.database.clone();
-    let stderr = demo.stop().await;
-    println!("{stderr}");
-    DemoConsumer::assert_exactly_once(&database, &stderr, events as u64, duplicated as u64).await;
+    demo.stop_exactly_once(events as u64, duplicated as u64)
+        .await;
 }
 
 /// A delivery held three times as long as the ack wait is not handed to another instance: the

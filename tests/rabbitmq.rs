@@ -286,10 +286,8 @@ async fn another_clients_messages_are_handled_once_by_the_demo() {
         }
     })
     .await;
-    let database = demo.database.clone();
-    let stderr = demo.stop().await;
-    println!("{stderr}");
-    DemoConsumer::assert_exactly_once(&database, &stderr, events as u64, duplicated as u64).await;
+    demo.stop_exactly_once(events as u64, duplicated as u64)
+        .await;
 }
 
 /// The loop from the API call to the consumers' commits, as separate processes: the demo's HTTP
@@ -757,9 +755,11 @@ async fn an_unparsable_message_goes_to_quarantine() {
     s.broker.prepare(&s.source, &[&name]).await;
     let (before, after) = (s.id(0), s.id(1));
     s.publish(&before, 0).await;
-    let published = tokio::process::Command::new("python3")
-        .args([
-            "-c",
+    let url = conformance::services::amqp_url();
+    tokio::time::timeout(
+        conformance::DEADLINE,
+        conformance::python(
+            "pika publish",
             r#"
 import sys, pika
 connection = pika.BlockingConnection(pika.URLParameters(sys.argv[1]))
@@ -769,20 +769,11 @@ channel.basic_publish(sys.argv[2], "", b'{"n": 9}',
     pika.BasicProperties(message_id=b"\xff\xfe-not-utf8", delivery_mode=2), mandatory=True)
 connection.close()
 "#,
-            &conformance::services::amqp_url(),
-            &s.source,
-        ])
-        .kill_on_drop(true)
-        .output();
-    let published = tokio::time::timeout(conformance::DEADLINE, published)
-        .await
-        .expect("the pika publish returns")
-        .expect("python3 runs");
-    assert!(
-        published.status.success(),
-        "pika publish (scripts/test installs pika): {}",
-        String::from_utf8_lossy(&published.stderr)
-    );
+            &[&url, &s.source],
+        ),
+    )
+    .await
+    .expect("the pika publish returns");
     s.publish(&after, 1).await;
     let consumer = s.consumer(&name, &Arc::new(Script::default())).retry(
         RetryPolicy::default()

@@ -42,23 +42,13 @@ for n in range(events):
     for _ in range(2 if n < duplicated else 1):
         r.xadd(stream, {"message-id": f"py-{stream}-{n}", "payload": payload, "tenant": "acme"})
 "#;
-    let output = tokio::process::Command::new("python3")
-        .args([
-            "-c",
-            script,
-            url,
-            stream,
-            &events.to_string(),
-            &duplicated.to_string(),
-        ])
-        .output()
-        .await
-        .expect("python3 runs");
-    assert!(
-        output.status.success(),
-        "redis-py writer (scripts/test installs it): {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let counts = [events, duplicated].map(|n| n.to_string());
+    conformance::python(
+        "redis-py writer",
+        script,
+        &[url, stream, &counts[0], &counts[1]],
+    )
+    .await;
 }
 
 /// Entries written by PyPI's `redis` (not our code), some twice with the same `message-id`, are
@@ -83,10 +73,8 @@ async fn another_clients_entries_are_handled_once_by_the_demo() {
         async move { transport.pending(source, &consumer).await }
     })
     .await;
-    let database = demo.database.clone();
-    let stderr = demo.stop().await;
-    println!("{stderr}");
-    DemoConsumer::assert_exactly_once(&database, &stderr, events as u64, duplicated as u64).await;
+    demo.stop_exactly_once(events as u64, duplicated as u64)
+        .await;
 }
 
 async fn transport(config: RedisConfig) -> RedisTransport {

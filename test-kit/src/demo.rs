@@ -80,6 +80,15 @@ impl DemoConsumer {
         stderr
     }
 
+    /// SIGTERM (the demo must drain and exit 0), then [`assert_exactly_once`](Self::assert_exactly_once)
+    /// on what it printed.
+    pub async fn stop_exactly_once(self, events: u64, duplicates: u64) {
+        let database = self.database.clone();
+        let stderr = self.stop().await;
+        println!("{stderr}");
+        Self::assert_exactly_once(&database, &stderr, events, duplicates).await;
+    }
+
     /// Checks the demo's summary lines and its own report (`report --expect`).
     pub async fn assert_exactly_once(database: &str, stderr: &str, events: u64, duplicates: u64) {
         for consumer in ["notification", "carrier-assignment"] {

@@ -96,21 +96,14 @@ else:
         producer.poll(0)
     sys.exit(1 if producer.flush(30) else 0)
 "#;
-    let output = tokio::process::Command::new("python3")
-        .arg("-c")
-        .arg(script)
-        .args(args)
-        .kill_on_drop(true)
-        .output();
-    let output = tokio::time::timeout(crate::DEADLINE, output)
-        .await
-        .expect("the third-party producer returns")
-        .expect("python3 runs");
-    assert!(
-        output.status.success(),
-        "the third-party producer (scripts/test installs pika and confluent-kafka): {}",
-        String::from_utf8_lossy(&output.stderr)
+    let run = crate::python(
+        "the third-party producer (pika or confluent-kafka)",
+        script,
+        args,
     );
+    tokio::time::timeout(crate::DEADLINE, run)
+        .await
+        .expect("the third-party producer returns");
 }
 
 /// The valid ids `publish_all` sends, as the inbox stores them.

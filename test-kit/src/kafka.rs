@@ -41,24 +41,18 @@ for n in range(events):
 left = producer.flush(30)
 sys.exit(1 if left else 0)
 "#;
-    let produced = tokio::process::Command::new("python3")
-        .args([
-            "-c",
-            producer,
+    crate::python(
+        "confluent-kafka producer",
+        producer,
+        &[
             brokers,
             topic,
             &events.to_string(),
             &duplicated.to_string(),
             if record_batches { "1" } else { "0" },
-        ])
-        .output()
-        .await
-        .expect("python3 runs");
-    assert!(
-        produced.status.success(),
-        "confluent-kafka producer (scripts/test installs it): {}",
-        String::from_utf8_lossy(&produced.stderr)
-    );
+        ],
+    )
+    .await;
 }
 
 /// A transport per scenario (topics and groups are unique per scenario); `ordered: false` handles

@@ -71,6 +71,24 @@ pub trait BrokerFactory: Send + Sync {
     async fn start(&self, faults: Faults) -> Box<dyn TestBroker>;
 }
 
+/// Runs `script` with `python3 -c` and `args` (a third-party client: PyPI's confluent-kafka,
+/// pika, nats-py, redis); panics unless it exits 0, naming `client` and quoting its stderr.
+pub async fn python(client: &str, script: &str, args: &[&str]) {
+    let output = tokio::process::Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .kill_on_drop(true)
+        .output()
+        .await
+        .expect("python3 runs");
+    assert!(
+        output.status.success(),
+        "{client} (scripts/test installs it): {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
 /// [`TestBroker::settled`] for a broker that tells what each consumer has left (`pending`: not
 /// yet delivered or not yet acked) beside the deliveries its transport has out (`unsettled`).
 pub async fn settled_by_pending<F, Fut>(

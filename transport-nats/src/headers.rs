@@ -69,10 +69,7 @@ pub(crate) fn to_header_map(
             )
         })?;
         // Line breaks (a dead letter's multi-line reason) become spaces.
-        map.insert(
-            header,
-            HeaderValue::from_str(text).unwrap_or_else(|_| one_line(text)),
-        );
+        map.insert(header, HeaderValue::from_lossy(text));
     }
     if let Some(id) = &message.message_id {
         map.insert(DEFAULT_ID_HEADER, id.as_str());
@@ -89,14 +86,6 @@ pub(crate) fn to_header_map(
         }
     }
     Ok(map)
-}
-
-fn one_line(text: &str) -> HeaderValue {
-    let flat: String = text
-        .chars()
-        .map(|c| if c == '\r' || c == '\n' { ' ' } else { c })
-        .collect();
-    HeaderValue::from_str(&flat).unwrap_or_default()
 }
 
 #[cfg(test)]
