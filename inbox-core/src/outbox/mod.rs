@@ -116,6 +116,143 @@ impl PublishFailure {
     }
 }
 
+/// The rows one relay batch claimed: publish them, then [`finish`](Self::finish) the batch.
+#[non_exhaustive]
+pub struct OutboxBatch {
+    /// The rows, in id order.
+    pub rows: Vec<OutboxRow>,
+    claim: Box<dyn BatchClaim>,
+}
+
+impl std::fmt::Debug for OutboxBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OutboxBatch")
+            .field("rows", &self.rows.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl OutboxBatch {
+    /// `rows`, held by `claim` (a store's own way of ending the claim).
+    pub fn new(rows: Vec<OutboxRow>, claim: Box<dyn BatchClaim>) -> Self {
+        Self { rows, claim }
+    }
+
+    /// A batch of no rows (nothing was claimed).
+    pub fn empty() -> Self {
+        Self::new(Vec::new(), Box::new(Nothing))
+    }
+
+    /// The rows and the claim, to finish apart.
+    pub fn into_parts(self) -> (Vec<OutboxRow>, Box<dyn BatchClaim>) {
+        (self.rows, self.claim)
+    }
+
+    /// Ends the claim: marks the rows `published` published (deletes them unless `keep`) and
+    /// records `failures`, releasing those rows. Returns how many rows it marked: fewer than
+    /// `published.len()` when the lease had lapsed and another relay took them (fencing: that
+    /// relay publishes them again, and the consumer's inbox discards the copy).
+    pub async fn finish(
+        self,
+        published: &[i64],
+        failures: &[PublishFailure],
+        keep: bool,
+    ) -> Result<u64, StoreError> {
+        self.claim.finish(published, failures, keep).await
+    }
+}
+
+/// How a store ends one batch's claim; see [`OutboxBatch::finish`].
+#[async_trait]
+pub trait BatchClaim: Send {
+    /// Marks `published`, records `failures`, and releases the claim. Returns how many rows it
+    /// marked published.
+    async fn finish(
+        self: Box<Self>,
+        published: &[i64],
+        failures: &[PublishFailure],
+        keep: bool,
+    ) -> Result<u64, StoreError>;
+}
+
+/// The claim of an empty batch.
+struct Nothing;
+
+#[async_trait]
+impl BatchClaim for Nothing {
+    async fn finish(
+        self: Box<Self>,
+        _: &[i64],
+        _: &[PublishFailure],
+        _: bool,
+    ) -> Result<u64, StoreError> {
+        Ok(0)
+    }
+}
+
+/// The claim of a store that names a lease token in every statement of the batch (MySQL,
+/// SQLite): a statement of a batch whose lease lapsed finds no row with its token.
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+#[async_trait]
+trait TokenLeases: Send + Sync + 'static {
+    /// Marks rows of batch `token` published (deleted unless `keep`) in one statement. Returns
+    /// how many it marked.
+    async fn mark_leased(&self, token: &str, ids: &[i64], keep: bool) -> Result<u64, StoreError>;
+
+    /// Records failed publishes of batch `token` and releases those rows.
+    async fn fail_leased(&self, token: &str, failures: &[PublishFailure])
+    -> Result<(), StoreError>;
+}
+
+/// A batch of `rows` claimed under `token`.
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+fn leased<S: TokenLeases + Clone>(store: &S, token: &str, rows: Vec<OutboxRow>) -> OutboxBatch {
+    let claim = Leased {
+        store: store.clone(),
+        token: token.to_owned(),
+    };
+    OutboxBatch::new(rows, Box::new(claim))
+}
+
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+struct Leased<S> {
+    store: S,
+    token: String,
+}
+
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+#[async_trait]
+impl<S: TokenLeases> BatchClaim for Leased<S> {
+    async fn finish(
+        self: Box<Self>,
+        published: &[i64],
+        failures: &[PublishFailure],
+        keep: bool,
+    ) -> Result<u64, StoreError> {
+        let mut marked = 0;
+        if !published.is_empty() {
+            // A conflict (InnoDB reports deadlocks between the mark's `DELETE` and concurrent
+            // claims) is retried at once a few times: the mark is idempotent, and giving up
+            // would leave the rows to be published again once their lease lapses.
+            let mut tries = 0;
+            marked = loop {
+                match self.store.mark_leased(&self.token, published, keep).await {
+                    Err(StoreError::Conflict(e)) if tries < 5 => {
+                        tries += 1;
+                        tracing::debug!(error = %e, tries, "outbox mark: conflict; trying again");
+                        tokio::time::sleep(Duration::from_millis(5 * tries)).await;
+                    }
+                    other => break other?,
+                }
+            };
+        }
+        if !failures.is_empty() {
+            self.store.fail_leased(&self.token, failures).await?;
+        }
+        Ok(marked)
+    }
+}
+
 /// Counts for one destination, as `inbox outbox stats` shows them.
 #[derive(Debug, Clone, PartialEq, Default, serde::Serialize)]
 #[non_exhaustive]
@@ -160,9 +297,10 @@ pub struct OutboxDeadRow {
 /// the PostgreSQL, MySQL / MariaDB and SQLite stores; the schema comes with
 /// [`InboxAdmin::migrate`](crate::InboxAdmin::migrate).
 ///
-/// Every statement that acts for a relay batch names the batch's lease token: once a lease has
-/// lapsed and another relay claimed the row, the old batch can neither mark it published nor
-/// record a failure on it (fencing).
+/// A relay batch's claim lasts until its lease lapses: after that, another relay may claim the
+/// rows, and the old batch can neither mark them published nor record a failure on them
+/// (fencing). PostgreSQL holds the claimed rows' locks in a transaction the database ends when
+/// the lease lapses; MySQL and SQLite name a lease token in every statement of the batch.
 #[async_trait]
 pub trait OutboxStore: InboxStore + Clone {
     /// Writes `message` to `destination` in `tx`. The caller has validated it; the id is set.
@@ -175,26 +313,9 @@ pub trait OutboxStore: InboxStore + Clone {
         ordering_key: Option<&str>,
     ) -> Result<(i64, bool), StoreError>;
 
-    /// Claims up to `limit` publishable rows for `lease` under `token`, in one statement: pending,
-    /// due, not leased, and each the first pending row of its key. Ordered by id.
-    async fn claim_outbox(
-        &self,
-        limit: u32,
-        lease: Duration,
-        token: &str,
-    ) -> Result<Vec<OutboxRow>, StoreError>;
-
-    /// Marks rows of batch `token` published — deleting them when `keep` is false — in one
-    /// statement. Returns how many it marked (fewer: a lease lapsed).
-    async fn mark_published(&self, token: &str, ids: &[i64], keep: bool)
-    -> Result<u64, StoreError>;
-
-    /// Records failed publishes of batch `token` and releases those rows.
-    async fn record_publish_failures(
-        &self,
-        token: &str,
-        failures: &[PublishFailure],
-    ) -> Result<(), StoreError>;
+    /// Claims up to `limit` publishable rows for `lease`, in one statement: pending, due, not
+    /// claimed by another batch, and each the first pending row of its key. Ordered by id.
+    async fn claim_outbox(&self, limit: u32, lease: Duration) -> Result<OutboxBatch, StoreError>;
 
     /// Counts per destination.
     async fn outbox_stats(&self) -> Result<Vec<OutboxStats>, StoreError>;

@@ -15,7 +15,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use super::codec::{encode_headers, traceparent};
-use super::{OutboxDeadRow, OutboxRow, OutboxStats, OutboxStore, PublishFailure};
+use super::{OutboxBatch, OutboxDeadRow, OutboxStats, OutboxStore, PublishFailure};
 use crate::error::StoreError;
 use crate::message::OutgoingMessage;
 use crate::store::mysql::{MySqlStore, MySqlTx};
@@ -105,12 +105,9 @@ impl OutboxStore for MySqlStore {
         })
     }
 
-    async fn claim_outbox(
-        &self,
-        limit: u32,
-        lease: Duration,
-        token: &str,
-    ) -> Result<Vec<OutboxRow>, StoreError> {
+    async fn claim_outbox(&self, limit: u32, lease: Duration) -> Result<OutboxBatch, StoreError> {
+        let token = uuid::Uuid::new_v4().to_string();
+        let token = token.as_str();
         type Row = (
             i64,
             String,
@@ -133,7 +130,7 @@ impl OutboxStore for MySqlStore {
             .map_err(store_error)?;
         if rows.is_empty() {
             tx.rollback().await.map_err(store_error)?;
-            return Ok(Vec::new());
+            return Ok(super::leased(self, token, Vec::new()));
         }
         let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
         let lease_sql = format!(
@@ -152,7 +149,7 @@ impl OutboxStore for MySqlStore {
         .await
         .map_err(store_error)?;
         tx.commit().await.map_err(store_error)?;
-        Ok(rows
+        let rows = rows
             .into_iter()
             .map(
                 |(id, destination, message_id, key, payload, headers, attempts, no_routes, age)| {
@@ -168,65 +165,8 @@ impl OutboxStore for MySqlStore {
                     )
                 },
             )
-            .collect())
-    }
-
-    async fn mark_published(
-        &self,
-        token: &str,
-        ids: &[i64],
-        keep: bool,
-    ) -> Result<u64, StoreError> {
-        if ids.is_empty() {
-            return Ok(0);
-        }
-        let sql = if keep {
-            format!(
-                "UPDATE outbox_messages
-                 SET published_at = UTC_TIMESTAMP(6), lease_token = NULL, lease_until = NULL
-                 WHERE lease_token = ? AND id IN ({})",
-                placeholders(ids.len())
-            )
-        } else {
-            format!(
-                "DELETE FROM outbox_messages WHERE lease_token = ? AND id IN ({})",
-                placeholders(ids.len())
-            )
-        };
-        let done = bind_all!(sqlx::query(&sql).bind(token), ids)
-            .execute(self.pool())
-            .await
-            .map_err(store_error)?;
-        Ok(done.rows_affected())
-    }
-
-    async fn record_publish_failures(
-        &self,
-        token: &str,
-        failures: &[PublishFailure],
-    ) -> Result<(), StoreError> {
-        // `begin` runs on a task of its own: never cancelled half-way (see the store).
-        let mut tx = crate::InboxStore::begin(self).await?;
-        for failure in failures {
-            sqlx::query(
-                "UPDATE outbox_messages
-                 SET attempts = attempts + 1, no_routes = no_routes + ?, last_error = ?,
-                     available_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND,
-                     dead_at = IF(?, UTC_TIMESTAMP(6), NULL),
-                     lease_token = NULL, lease_until = NULL
-                 WHERE id = ? AND lease_token = ?",
-            )
-            .bind(i32::from(failure.no_route))
-            .bind(storable_error(&failure.error))
-            .bind(failure.retry_after.as_micros().min(i64::MAX as u128) as i64)
-            .bind(failure.dead)
-            .bind(failure.id)
-            .bind(token)
-            .execute(&mut *tx)
-            .await
-            .map_err(store_error)?;
-        }
-        tx.commit().await.map_err(store_error)
+            .collect();
+        Ok(super::leased(self, token, rows))
     }
 
     async fn outbox_stats(&self) -> Result<Vec<OutboxStats>, StoreError> {
@@ -342,5 +282,61 @@ impl OutboxStore for MySqlStore {
         .map_err(store_error)?;
         tx.commit().await.map_err(store_error)?;
         Ok(done.rows_affected())
+    }
+}
+
+#[async_trait]
+impl super::TokenLeases for MySqlStore {
+    async fn mark_leased(&self, token: &str, ids: &[i64], keep: bool) -> Result<u64, StoreError> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let sql = if keep {
+            format!(
+                "UPDATE outbox_messages
+                 SET published_at = UTC_TIMESTAMP(6), lease_token = NULL, lease_until = NULL
+                 WHERE lease_token = ? AND id IN ({})",
+                placeholders(ids.len())
+            )
+        } else {
+            format!(
+                "DELETE FROM outbox_messages WHERE lease_token = ? AND id IN ({})",
+                placeholders(ids.len())
+            )
+        };
+        let done = bind_all!(sqlx::query(&sql).bind(token), ids)
+            .execute(self.pool())
+            .await
+            .map_err(store_error)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn fail_leased(
+        &self,
+        token: &str,
+        failures: &[PublishFailure],
+    ) -> Result<(), StoreError> {
+        // `begin` runs on a task of its own: never cancelled half-way (see the store).
+        let mut tx = crate::InboxStore::begin(self).await?;
+        for failure in failures {
+            sqlx::query(
+                "UPDATE outbox_messages
+                 SET attempts = attempts + 1, no_routes = no_routes + ?, last_error = ?,
+                     available_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND,
+                     dead_at = IF(?, UTC_TIMESTAMP(6), NULL),
+                     lease_token = NULL, lease_until = NULL
+                 WHERE id = ? AND lease_token = ?",
+            )
+            .bind(i32::from(failure.no_route))
+            .bind(storable_error(&failure.error))
+            .bind(failure.retry_after.as_micros().min(i64::MAX as u128) as i64)
+            .bind(failure.dead)
+            .bind(failure.id)
+            .bind(token)
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        }
+        tx.commit().await.map_err(store_error)
     }
 }

@@ -17,7 +17,9 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 
 use super::codec::{encode_headers, traceparent};
-use super::{OutboxDeadRow, OutboxRow, OutboxStats, OutboxStore, PublishFailure};
+use super::{
+    BatchClaim, OutboxBatch, OutboxDeadRow, OutboxRow, OutboxStats, OutboxStore, PublishFailure,
+};
 use crate::error::StoreError;
 use crate::message::OutgoingMessage;
 use crate::store::postgres::{PgTx, PostgresStore};
@@ -41,27 +43,111 @@ VALUES ($1, $2, $3, $4::jsonb, $5)
 ON CONFLICT (destination, message_id) DO NOTHING
 RETURNING id";
 
-/// Pending, due, not leased, and the first pending row of its key (a dead or failing head holds
-/// its key back). SKIP LOCKED: two relays claiming at once take different rows. The ids are
-/// picked first (`= ANY (ARRAY(…))`, evaluated once) so the update finds them by primary key: as
-/// a join, the planner hashed the whole table on every claim.
+/// Pending, due, and the first pending row of its key (a dead or failing head holds its key
+/// back), locked until the batch's transaction ends. SKIP LOCKED: two relays claiming at once
+/// take different rows; a key's next row is not claimable while its head is locked, since the
+/// head is still pending to every other transaction.
 const CLAIM: &str = "\
-UPDATE outbox_messages AS o
-SET lease_token = $1::uuid, lease_until = clock_timestamp() + $2 * interval '1 millisecond'
-WHERE o.id = ANY (ARRAY(
-  SELECT c.id FROM outbox_messages c
-  WHERE c.published_at IS NULL AND c.dead_at IS NULL
-    AND c.available_at <= clock_timestamp()
-    AND (c.lease_until IS NULL OR c.lease_until < clock_timestamp())
-    AND (c.ordering_key IS NULL OR NOT EXISTS (
-      SELECT 1 FROM outbox_messages e
-      WHERE e.destination = c.destination AND e.ordering_key = c.ordering_key
-        AND e.published_at IS NULL AND e.id < c.id))
-  ORDER BY c.id
-  LIMIT $3
-  FOR UPDATE SKIP LOCKED))
-RETURNING o.id, o.destination, o.message_id, o.ordering_key, o.payload, o.headers::text,
-  o.attempts, o.no_routes, EXTRACT(EPOCH FROM clock_timestamp() - o.created_at)::float8";
+SELECT c.id, c.destination, c.message_id, c.ordering_key, c.payload, c.headers::text,
+  c.attempts, c.no_routes, EXTRACT(EPOCH FROM clock_timestamp() - c.created_at)::float8
+FROM outbox_messages c
+WHERE c.published_at IS NULL AND c.dead_at IS NULL
+  AND c.available_at <= clock_timestamp()
+  AND (c.ordering_key IS NULL OR NOT EXISTS (
+    SELECT 1 FROM outbox_messages e
+    WHERE e.destination = c.destination AND e.ordering_key = c.ordering_key
+      AND e.published_at IS NULL AND e.id < c.id))
+ORDER BY c.id
+LIMIT $1
+FOR UPDATE SKIP LOCKED";
+
+/// A batch's claim on PostgreSQL: the transaction that holds the rows' locks. The rows are
+/// written once, by the mark; a lease column would cost an `UPDATE` of each row besides. The
+/// lease is the transaction's `idle_in_transaction_session_timeout`: a relay that stalls past
+/// it loses its session, which releases the rows and fences the stalled relay out (its mark
+/// fails with the session); a relay that dies releases them at once, as its connection closes.
+struct Locked {
+    tx: PgTx,
+    claimed: std::time::Instant,
+    lease: Duration,
+}
+
+#[async_trait]
+impl BatchClaim for Locked {
+    async fn finish(
+        self: Box<Self>,
+        published: &[i64],
+        failures: &[PublishFailure],
+        keep: bool,
+    ) -> Result<u64, StoreError> {
+        let Locked {
+            mut tx,
+            claimed,
+            lease,
+        } = *self;
+        let finished = async {
+            let mut marked = 0;
+            if !published.is_empty() {
+                let sql = if keep {
+                    "UPDATE outbox_messages SET published_at = clock_timestamp() WHERE id = ANY($1)"
+                } else {
+                    "DELETE FROM outbox_messages WHERE id = ANY($1)"
+                };
+                marked = sqlx::query(sql)
+                    .bind(published)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+            }
+            if !failures.is_empty() {
+                record_failures(&mut tx, failures).await?;
+            }
+            tx.commit().await?;
+            Ok::<_, sqlx::Error>(marked)
+        };
+        match finished.await {
+            // The database ended the session at the lease: another relay may have the rows.
+            Err(e) if claimed.elapsed() >= lease => {
+                tracing::debug!(error = %e, "outbox batch: lease lapsed before the mark");
+                Ok(0)
+            }
+            other => other.map_err(store_error),
+        }
+    }
+}
+
+/// Records failed publishes: attempts, the reason, the backoff, dead or not.
+async fn record_failures(tx: &mut PgTx, failures: &[PublishFailure]) -> Result<(), sqlx::Error> {
+    let ids: Vec<i64> = failures.iter().map(|f| f.id).collect();
+    let errors: Vec<String> = failures
+        .iter()
+        .map(|f| storable_error(&f.error).into_owned())
+        .collect();
+    let delays: Vec<f64> = failures
+        .iter()
+        .map(|f| f.retry_after.as_millis() as f64)
+        .collect();
+    let dead: Vec<bool> = failures.iter().map(|f| f.dead).collect();
+    let no_route: Vec<bool> = failures.iter().map(|f| f.no_route).collect();
+    sqlx::query(
+        "UPDATE outbox_messages AS o
+         SET attempts = o.attempts + 1, last_error = f.error,
+             no_routes = o.no_routes + CASE WHEN f.no_route THEN 1 ELSE 0 END,
+             available_at = clock_timestamp() + f.delay_ms * interval '1 millisecond',
+             dead_at = CASE WHEN f.dead THEN clock_timestamp() END
+         FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::bool[], $5::bool[])
+           AS f(id, error, delay_ms, dead, no_route)
+         WHERE o.id = f.id",
+    )
+    .bind(&ids)
+    .bind(&errors)
+    .bind(&delays)
+    .bind(&dead)
+    .bind(&no_route)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
 
 #[async_trait]
 impl OutboxStore for PostgresStore {
@@ -115,12 +201,7 @@ impl OutboxStore for PostgresStore {
         }
     }
 
-    async fn claim_outbox(
-        &self,
-        limit: u32,
-        lease: Duration,
-        token: &str,
-    ) -> Result<Vec<OutboxRow>, StoreError> {
+    async fn claim_outbox(&self, limit: u32, lease: Duration) -> Result<OutboxBatch, StoreError> {
         type Row = (
             i64,
             String,
@@ -132,14 +213,23 @@ impl OutboxStore for PostgresStore {
             i32,
             f64,
         );
+        let mut tx = self
+            .begin_and(&format!(
+                "SET LOCAL idle_in_transaction_session_timeout = {}",
+                lease.as_millis().clamp(1, i32::MAX as u128)
+            ))
+            .await?;
+        let claimed = std::time::Instant::now();
         let rows: Vec<Row> = sqlx::query_as(CLAIM)
-            .bind(token)
-            .bind(lease.as_millis() as f64)
             .bind(i64::from(limit))
-            .fetch_all(self.pool())
+            .fetch_all(&mut *tx)
             .await
             .map_err(store_error)?;
-        let mut rows: Vec<OutboxRow> = rows
+        if rows.is_empty() {
+            tx.rollback().await.map_err(store_error)?;
+            return Ok(OutboxBatch::empty());
+        }
+        let rows: Vec<OutboxRow> = rows
             .into_iter()
             .map(
                 |(id, destination, message_id, key, payload, headers, attempts, no_routes, age)| {
@@ -157,68 +247,8 @@ impl OutboxStore for PostgresStore {
                 },
             )
             .collect();
-        rows.sort_by_key(|r| r.id);
-        Ok(rows)
-    }
-
-    async fn mark_published(
-        &self,
-        token: &str,
-        ids: &[i64],
-        keep: bool,
-    ) -> Result<u64, StoreError> {
-        let sql = if keep {
-            "UPDATE outbox_messages SET published_at = clock_timestamp(), lease_token = NULL, lease_until = NULL
-             WHERE id = ANY($1) AND lease_token = $2::uuid"
-        } else {
-            "DELETE FROM outbox_messages WHERE id = ANY($1) AND lease_token = $2::uuid"
-        };
-        let done = sqlx::query(sql)
-            .bind(ids)
-            .bind(token)
-            .execute(self.pool())
-            .await
-            .map_err(store_error)?;
-        Ok(done.rows_affected())
-    }
-
-    async fn record_publish_failures(
-        &self,
-        token: &str,
-        failures: &[PublishFailure],
-    ) -> Result<(), StoreError> {
-        let ids: Vec<i64> = failures.iter().map(|f| f.id).collect();
-        let errors: Vec<String> = failures
-            .iter()
-            .map(|f| storable_error(&f.error).into_owned())
-            .collect();
-        let delays: Vec<f64> = failures
-            .iter()
-            .map(|f| f.retry_after.as_millis() as f64)
-            .collect();
-        let dead: Vec<bool> = failures.iter().map(|f| f.dead).collect();
-        let no_route: Vec<bool> = failures.iter().map(|f| f.no_route).collect();
-        sqlx::query(
-            "UPDATE outbox_messages AS o
-             SET attempts = o.attempts + 1, last_error = f.error,
-                 no_routes = o.no_routes + CASE WHEN f.no_route THEN 1 ELSE 0 END,
-                 available_at = clock_timestamp() + f.delay_ms * interval '1 millisecond',
-                 dead_at = CASE WHEN f.dead THEN clock_timestamp() END,
-                 lease_token = NULL, lease_until = NULL
-             FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::bool[], $6::bool[])
-               AS f(id, error, delay_ms, dead, no_route)
-             WHERE o.id = f.id AND o.lease_token = $5::uuid",
-        )
-        .bind(&ids)
-        .bind(&errors)
-        .bind(&delays)
-        .bind(&dead)
-        .bind(token)
-        .bind(&no_route)
-        .execute(self.pool())
-        .await
-        .map_err(store_error)?;
-        Ok(())
+        let claim = Locked { tx, claimed, lease };
+        Ok(OutboxBatch::new(rows, Box::new(claim)))
     }
 
     async fn outbox_stats(&self) -> Result<Vec<OutboxStats>, StoreError> {

@@ -67,9 +67,10 @@ pub struct RelayReport {
 /// Publishes the outbox's committed rows through a [`Transport`]; see the [module](super) docs.
 ///
 /// Any number of relays may run at once, in one process or many, without a leader: each batch is
-/// claimed under a lease with a token of its own, and a batch whose rows another relay has taken can
-/// no longer mark them or record failures on them (fencing by the token). A relay killed or stalled
-/// mid-batch loses its rows to another relay once the lease lapses (5 s by default).
+/// claimed under a lease, and a batch whose rows another relay has taken can no longer mark them
+/// or record failures on them (fencing; see [`OutboxStore`]). A relay stalled mid-batch loses its
+/// rows to another relay once the lease lapses (5 s by default); one killed, on PostgreSQL at
+/// once (its connection closes), elsewhere after the lease.
 pub struct Relay<S> {
     outbox: Outbox<S>,
     transport: Arc<dyn Transport>,
@@ -128,7 +129,8 @@ impl<S: OutboxStore> Relay<S> {
 
     /// How long a batch's claim lasts (default 5 s). A relay that dies or stalls loses its rows
     /// to the others after this; publishes still unconfirmed by then count as failed. Keep it
-    /// longer than a batch's publish takes.
+    /// longer than a batch's publish takes. On PostgreSQL each batch in flight holds a pooled
+    /// connection (in a transaction, its rows locked) until its publishes are confirmed.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease.max(Duration::from_millis(100));
         self
@@ -286,24 +288,6 @@ impl<S: OutboxStore> Relay<S> {
         Ok(report)
     }
 
-    /// Marks a published batch. A conflict (InnoDB reports deadlocks between the mark's
-    /// `DELETE` and concurrent claims) is retried at once a few times: the mark is idempotent,
-    /// and giving up would leave the rows to be published again once their lease lapses.
-    async fn mark(&self, token: &str, ids: &[i64]) -> Result<u64, StoreError> {
-        let keep = self.retention > Duration::ZERO;
-        let mut tries = 0;
-        loop {
-            match self.outbox.store.mark_published(token, ids, keep).await {
-                Err(StoreError::Conflict(e)) if tries < 5 => {
-                    tries += 1;
-                    tracing::debug!(error = %e, tries, "outbox mark: conflict; trying again");
-                    tokio::time::sleep(Duration::from_millis(5 * tries)).await;
-                }
-                other => return other,
-            }
-        }
-    }
-
     /// Claims, publishes and marks one batch. Returns how many rows it published; zero when
     /// there was nothing to claim (or nothing went out).
     pub async fn run_once(&self) -> Result<usize, StoreError> {
@@ -313,15 +297,16 @@ impl<S: OutboxStore> Relay<S> {
     }
 
     async fn run_once_into(&self, report: &mut RelayReport) -> Result<Batch, StoreError> {
-        let store = &self.outbox.store;
-        let token = uuid::Uuid::new_v4().to_string();
         // The lease runs from the claim, by the database's clock; stop waiting for confirms a
         // tenth of it before it ends by ours, so that no publish of ours is still in flight
         // once another relay may have the row (and the next row of its key).
         let deadline = Instant::now() + self.lease - self.lease / 10;
-        let rows = store
-            .claim_outbox(self.batch_size, self.lease, &token)
-            .await?;
+        let (rows, claim) = self
+            .outbox
+            .store
+            .claim_outbox(self.batch_size, self.lease)
+            .await?
+            .into_parts();
         if rows.is_empty() {
             return Ok(Batch::Empty);
         }
@@ -386,11 +371,9 @@ impl<S: OutboxStore> Relay<S> {
             }
         }
         let ids: Vec<i64> = published.iter().map(|r| r.id).collect();
-        let marked = if ids.is_empty() {
-            0
-        } else {
-            self.mark(&token, &ids).await?
-        };
+        let failures: Vec<PublishFailure> = failed.iter().map(|(_, f)| f.clone()).collect();
+        let keep = self.retention > Duration::ZERO;
+        let marked = claim.finish(&ids, &failures, keep).await?;
         let fenced = ids.len() as u64 - marked.min(ids.len() as u64);
         if fenced > 0 {
             tracing::warn!(
@@ -406,25 +389,21 @@ impl<S: OutboxStore> Relay<S> {
         }
         report.published += marked;
         report.fenced += fenced;
-        let all_failed = published.is_empty();
-        if !failed.is_empty() {
-            for (row, failure) in &failed {
-                let labels = self.labels(&row.destination);
-                metrics::counter!(m::FAILED, &labels).increment(1);
-                if failure.dead {
-                    metrics::counter!(m::DEAD, &labels).increment(1);
-                    tracing::error!(row = row.id, message_id = row.message.message_id.as_deref().unwrap_or(""), destination = %row.destination, reason = %failure.error, "outbox row dead: it will not be published unless an operator retries it");
-                } else {
-                    tracing::debug!(row = row.id, reason = %failure.error, "outbox publish failed; retrying later");
-                }
+        for (row, failure) in &failed {
+            let labels = self.labels(&row.destination);
+            metrics::counter!(m::FAILED, &labels).increment(1);
+            if failure.dead {
+                metrics::counter!(m::DEAD, &labels).increment(1);
+                tracing::error!(row = row.id, message_id = row.message.message_id.as_deref().unwrap_or(""), destination = %row.destination, reason = %failure.error, "outbox row dead: it will not be published unless an operator retries it");
+            } else {
+                tracing::debug!(row = row.id, reason = %failure.error, "outbox publish failed; retrying later");
             }
-            let failed: Vec<PublishFailure> = failed.into_iter().map(|(_, f)| f).collect();
-            report.failed += failed.len() as u64;
-            report.dead += failed.iter().filter(|f| f.dead).count() as u64;
-            store.record_publish_failures(&token, &failed).await?;
-            if all_failed && failed.iter().any(|f| !f.dead) {
-                return Ok(Batch::AllFailed);
-            }
+        }
+        report.failed += failures.len() as u64;
+        report.dead += failures.iter().filter(|f| f.dead).count() as u64;
+        if published.is_empty() && failures.iter().any(|f| !f.dead) {
+            // The broker is down, most likely.
+            return Ok(Batch::AllFailed);
         }
         Ok(if rows.len() >= self.batch_size as usize {
             Batch::Full

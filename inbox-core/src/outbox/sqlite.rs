@@ -7,7 +7,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use super::codec::{encode_headers, traceparent};
-use super::{OutboxDeadRow, OutboxRow, OutboxStats, OutboxStore, PublishFailure};
+use super::{OutboxBatch, OutboxDeadRow, OutboxRow, OutboxStats, OutboxStore, PublishFailure};
 use crate::error::StoreError;
 use crate::message::OutgoingMessage;
 use crate::store::sqlite::{SqliteStore, SqliteTx};
@@ -108,12 +108,9 @@ impl OutboxStore for SqliteStore {
         }
     }
 
-    async fn claim_outbox(
-        &self,
-        limit: u32,
-        lease: Duration,
-        token: &str,
-    ) -> Result<Vec<OutboxRow>, StoreError> {
+    async fn claim_outbox(&self, limit: u32, lease: Duration) -> Result<OutboxBatch, StoreError> {
+        let token = uuid::Uuid::new_v4().to_string();
+        let token = token.as_str();
         type Row = (
             i64,
             String,
@@ -151,66 +148,7 @@ impl OutboxStore for SqliteStore {
             )
             .collect();
         rows.sort_by_key(|r| r.id);
-        Ok(rows)
-    }
-
-    async fn mark_published(
-        &self,
-        token: &str,
-        ids: &[i64],
-        keep: bool,
-    ) -> Result<u64, StoreError> {
-        // SQLite has no arrays: the ids as a JSON array, read by json_each.
-        let ids = serde_json::to_string(ids).map_err(|e| StoreError::Invalid(e.to_string()))?;
-        let sql = if keep {
-            concat!(
-                "UPDATE outbox_messages SET published_at = ",
-                now!(),
-                ", lease_token = NULL, lease_until = NULL
-                 WHERE id IN (SELECT value FROM json_each($1)) AND lease_token = $2"
-            )
-        } else {
-            "DELETE FROM outbox_messages WHERE id IN (SELECT value FROM json_each($1)) AND lease_token = $2"
-        };
-        let done = sqlx::query(sql)
-            .bind(ids)
-            .bind(token)
-            .execute(self.pool())
-            .await
-            .map_err(store_error)?;
-        Ok(done.rows_affected())
-    }
-
-    async fn record_publish_failures(
-        &self,
-        token: &str,
-        failures: &[PublishFailure],
-    ) -> Result<(), StoreError> {
-        let mut tx = self
-            .pool()
-            .begin_with("BEGIN IMMEDIATE")
-            .await
-            .map_err(store_error)?;
-        for failure in failures {
-            sqlx::query(concat!(
-                "UPDATE outbox_messages SET attempts = attempts + 1, no_routes = no_routes + $6, last_error = $1, available_at = ",
-                now_plus_ms!("$2"),
-                ", dead_at = CASE WHEN $3 THEN ",
-                now!(),
-                " END, lease_token = NULL, lease_until = NULL
-                 WHERE id = $4 AND lease_token = $5"
-            ))
-            .bind(storable_error(&failure.error))
-            .bind(failure.retry_after.as_millis() as f64)
-            .bind(failure.dead)
-            .bind(failure.id)
-            .bind(token)
-            .bind(i64::from(failure.no_route))
-            .execute(&mut *tx)
-            .await
-            .map_err(store_error)?;
-        }
-        tx.commit().await.map_err(store_error)
+        Ok(super::leased(self, token, rows))
     }
 
     async fn outbox_stats(&self) -> Result<Vec<OutboxStats>, StoreError> {
@@ -303,5 +241,62 @@ impl OutboxStore for SqliteStore {
         .await
         .map_err(store_error)?;
         Ok(done.rows_affected())
+    }
+}
+
+#[async_trait]
+impl super::TokenLeases for SqliteStore {
+    async fn mark_leased(&self, token: &str, ids: &[i64], keep: bool) -> Result<u64, StoreError> {
+        // SQLite has no arrays: the ids as a JSON array, read by json_each.
+        let ids = serde_json::to_string(ids).map_err(|e| StoreError::Invalid(e.to_string()))?;
+        let sql = if keep {
+            concat!(
+                "UPDATE outbox_messages SET published_at = ",
+                now!(),
+                ", lease_token = NULL, lease_until = NULL
+                 WHERE id IN (SELECT value FROM json_each($1)) AND lease_token = $2"
+            )
+        } else {
+            "DELETE FROM outbox_messages WHERE id IN (SELECT value FROM json_each($1)) AND lease_token = $2"
+        };
+        let done = sqlx::query(sql)
+            .bind(ids)
+            .bind(token)
+            .execute(self.pool())
+            .await
+            .map_err(store_error)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn fail_leased(
+        &self,
+        token: &str,
+        failures: &[PublishFailure],
+    ) -> Result<(), StoreError> {
+        let mut tx = self
+            .pool()
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(store_error)?;
+        for failure in failures {
+            sqlx::query(concat!(
+                "UPDATE outbox_messages SET attempts = attempts + 1, no_routes = no_routes + $6, last_error = $1, available_at = ",
+                now_plus_ms!("$2"),
+                ", dead_at = CASE WHEN $3 THEN ",
+                now!(),
+                " END, lease_token = NULL, lease_until = NULL
+                 WHERE id = $4 AND lease_token = $5"
+            ))
+            .bind(storable_error(&failure.error))
+            .bind(failure.retry_after.as_millis() as f64)
+            .bind(failure.dead)
+            .bind(failure.id)
+            .bind(token)
+            .bind(i64::from(failure.no_route))
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        }
+        tx.commit().await.map_err(store_error)
     }
 }

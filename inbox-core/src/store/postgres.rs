@@ -62,6 +62,21 @@ impl PostgresStore {
         self
     }
 
+    /// `BEGIN` (and what the store sends with it), then `more`, as one statement, on a task of its
+    /// own (see [`InboxStore::begin`]).
+    pub(crate) async fn begin_and(&self, more: &str) -> Result<PgTx, StoreError> {
+        self.begin_with(format!("{}; {more}", self.begin).into())
+            .await
+    }
+
+    async fn begin_with(&self, sql: std::borrow::Cow<'static, str>) -> Result<PgTx, StoreError> {
+        let pool = self.pool.clone();
+        tokio::spawn(async move { pool.begin_with(sql).await })
+            .await
+            .map_err(|e| StoreError::Unavailable(Box::new(e)))?
+            .map_err(store_error)
+    }
+
     /// Connects with a pool of `max_connections`. The URL's password is never logged.
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self, StoreError> {
         let options: PgConnectOptions = url.parse().map_err(store_error)?;
@@ -112,11 +127,7 @@ impl InboxStore for PostgresStore {
         // the application's own statements too — whose writes then never committed and whose
         // locks were never released (sqlx issues #2805, #4393). Finished on its task, an
         // unwanted transaction is dropped whole, which rolls it back.
-        let (pool, begin) = (self.pool.clone(), self.begin.clone());
-        tokio::spawn(async move { pool.begin_with(begin).await })
-            .await
-            .map_err(|e| StoreError::Unavailable(Box::new(e)))?
-            .map_err(store_error)
+        self.begin_with(self.begin.clone()).await
     }
 
     async fn claim(
