@@ -245,6 +245,27 @@ mod claims {
         // The victim's handler swallowed the error and wrote on; the commit must refuse.
         let mut tx = victim.0;
         sqlx::query("SELECT 1").execute(&mut *tx).await.unwrap();
+        // Nor may it send: the row would be autocommitted on its own, a message about a change
+        // that was rolled back.
+        let outbox = inbox::outbox::Outbox::new(store.clone()).signal_other_processes(false);
+        let sent = outbox
+            .send(
+                &mut tx,
+                "deadlock-victim",
+                inbox::OutgoingMessage::new("m-1", "{}"),
+            )
+            .await;
+        assert!(
+            matches!(sent, Err(StoreError::Aborted(_))),
+            "a send after the transaction ended: {sent:?}"
+        );
+        let written: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM outbox_messages WHERE destination = 'deadlock-victim'",
+        )
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+        assert_eq!(written, 0, "no outbox row written outside the transaction");
         // In a batch, releasing the message's savepoint already says so, before the next
         // handler could run in autocommit mode.
         let released = store.release_savepoint(&mut tx).await;

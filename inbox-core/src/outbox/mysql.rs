@@ -79,6 +79,8 @@ impl OutboxStore for MySqlStore {
         message: &OutgoingMessage,
         ordering_key: Option<&str>,
     ) -> Result<(i64, bool), StoreError> {
+        // Written alone, an outbox row would publish a change that was rolled back.
+        crate::store::mysql::still_in_transaction(tx).await?;
         if let Some(key) = ordering_key {
             sqlx::query(LOCK_KEY)
                 .bind(destination)

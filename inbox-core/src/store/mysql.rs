@@ -54,6 +54,23 @@ const ER_SP_DOES_NOT_EXIST: u16 = 1305;
 const STILL_IN_TRANSACTION: &str = "SET TRANSACTION READ WRITE";
 const ER_CANT_CHANGE_TX_CHARACTERISTICS: u16 = 1568;
 
+/// Fails unless `tx` is still open. A transaction can end under its owner: rolled back by a
+/// deadlock whose error a handler (or the application) swallowed — what runs after it is
+/// autocommitted statement by statement — or committed by a statement that commits implicitly
+/// (DDL, LOCK TABLES, START TRANSACTION). A message must then be handled again, not acked, and an
+/// outbox row must not be written on its own.
+pub(crate) async fn still_in_transaction(tx: &mut MySqlTx) -> Result<(), StoreError> {
+    match sqlx::query(STILL_IN_TRANSACTION).execute(&mut **tx).await {
+        Err(e) if mysql_number(&e) == Some(ER_CANT_CHANGE_TX_CHARACTERISTICS) => Ok(()),
+        Err(e) => Err(store_error(e)),
+        Ok(_) => Err(StoreError::Aborted(
+            "the transaction had ended: rolled back by the server (a deadlock whose error was \
+             not returned) or committed early by a statement that commits implicitly"
+                .into(),
+        )),
+    }
+}
+
 /// The inbox on MySQL or MariaDB.
 #[derive(Debug, Clone)]
 pub struct MySqlStore {
@@ -349,28 +366,11 @@ impl InboxStore for MySqlStore {
     }
 
     async fn commit(&self, mut tx: MySqlTx) -> Result<(), StoreError> {
-        match sqlx::query(STILL_IN_TRANSACTION).execute(&mut *tx).await {
-            Err(e) if mysql_number(&e) == Some(ER_CANT_CHANGE_TX_CHARACTERISTICS) => {
-                tx.commit().await.map_err(store_error)
-            }
-            Err(e) => {
-                let _ = tx.rollback().await;
-                Err(store_error(e))
-            }
-            Ok(_) => {
-                // Ended under us: rolled back by a deadlock whose error the handler swallowed
-                // (what ran after it was autocommitted statement by statement), or committed by
-                // a statement that commits implicitly (DDL, LOCK TABLES, START TRANSACTION),
-                // which handlers must not run. The message must be handled again, not acked.
-                let _ = tx.rollback().await;
-                Err(StoreError::Aborted(
-                    "the transaction had ended before its commit: rolled back by the server (a \
-                     deadlock whose error was not returned) or committed early by a statement \
-                     that commits implicitly"
-                        .into(),
-                ))
-            }
+        if let Err(e) = still_in_transaction(&mut tx).await {
+            let _ = tx.rollback().await;
+            return Err(e);
         }
+        tx.commit().await.map_err(store_error)
     }
 
     async fn rollback(&self, tx: MySqlTx) -> Result<(), StoreError> {
