@@ -940,12 +940,23 @@ async fn outbox_latency(
     })
 }
 
+/// How the producer's transaction sends its message.
+#[derive(Clone, Copy, PartialEq)]
+enum Producing {
+    /// No outbox row: the baseline.
+    Plain,
+    /// `Outbox::send` in the application's transaction, committed by `Outbox::commit`.
+    Send,
+    /// Staged in an `OutboxTx`, written as it commits.
+    Staged,
+}
+
 /// The producer's own writes, `--concurrency` writers: a parcel row per transaction, with its
 /// outbox row or without.
 async fn producer_writes(
     store: &PostgresStore,
     args: &Args,
-    with_outbox: bool,
+    producing: Producing,
 ) -> Result<Measured, Error> {
     let n = args.messages;
     let outbox = Outbox::new(store.clone()).signal_other_processes(false);
@@ -956,18 +967,28 @@ async fn producer_writes(
     let mut writes = futures::stream::iter(0..n)
         .map(|i| async move {
             let id = uuid::Uuid::new_v4().to_string();
-            let mut tx = outbox.store().begin().await?;
-            sqlx::query("INSERT INTO bench_parcels (id, tracking_number) VALUES ($1, $2)")
-                .bind(&id)
-                .bind(format!("TRK{i:08}"))
-                .execute(&mut *tx)
-                .await?;
-            if with_outbox {
-                let message =
-                    OutgoingMessage::new(format!("parcel-created-{id}"), "{}").with_key(id.clone());
-                outbox.send(&mut tx, destination, message).await?;
+            let insert =
+                sqlx::query("INSERT INTO bench_parcels (id, tracking_number) VALUES ($1, $2)")
+                    .bind(id.clone())
+                    .bind(format!("TRK{i:08}"));
+            let message =
+                OutgoingMessage::new(format!("parcel-created-{id}"), "{}").with_key(id.clone());
+            match producing {
+                Producing::Plain | Producing::Send => {
+                    let mut tx = outbox.store().begin().await?;
+                    insert.execute(&mut *tx).await?;
+                    if producing == Producing::Send {
+                        outbox.send(&mut tx, destination, message).await?;
+                    }
+                    outbox.store().commit(tx).await?;
+                }
+                Producing::Staged => {
+                    let mut tx = outbox.begin().await?;
+                    insert.execute(&mut **tx).await?;
+                    tx.send(destination, message)?;
+                    tx.commit().await?;
+                }
             }
-            outbox.store().commit(tx).await?;
             Ok::<(), Error>(())
         })
         .buffer_unordered(args.concurrency);
@@ -980,17 +1001,14 @@ async fn producer_writes(
         .bind(destination)
         .execute(store.pool())
         .await?;
+    let (name, mode) = match producing {
+        Producing::Plain => ("producer, no outbox", "producer_no_outbox"),
+        Producing::Send => ("producer, outbox send", "producer_outbox_send"),
+        Producing::Staged => ("producer, outbox staged", "producer_outbox"),
+    };
     Ok(Measured {
-        name: if with_outbox {
-            "producer, with outbox row"
-        } else {
-            "producer, no outbox"
-        },
-        mode: if with_outbox {
-            "producer_outbox"
-        } else {
-            "producer_no_outbox"
-        },
+        name,
+        mode,
         messages: n,
         seconds,
         doubles: None,
@@ -1011,8 +1029,9 @@ async fn outbox_modes(
     let one_row = relay_rate(target, store, args, (n / 10).max(10), 1).await?;
     let woken = outbox_latency(target, store, args, true).await?;
     let polling = outbox_latency(target, store, args, false).await?;
-    let plain = producer_writes(store, args, false).await?;
-    let with_outbox = producer_writes(store, args, true).await?;
+    let plain = producer_writes(store, args, Producing::Plain).await?;
+    let with_outbox = producer_writes(store, args, Producing::Staged).await?;
+    let with_send = producer_writes(store, args, Producing::Send).await?;
     println!();
     println!("== {} outbox ==", target.name);
     println!(
@@ -1027,6 +1046,7 @@ async fn outbox_modes(
         &woken,
         &polling,
         &with_outbox,
+        &with_send,
         &plain,
     ] {
         rows.push(m.row(target.name));
@@ -1049,6 +1069,10 @@ async fn outbox_modes(
         "producer with outbox / without",
         ratio(&with_outbox, &plain),
         0.8,
+    );
+    println!(
+        "(with Outbox::send in the application's transaction: {:.2})",
+        ratio(&with_send, &plain)
     );
     let at = |m: &Measured, p| m.percentile_ms(p).unwrap_or(f64::INFINITY);
     println!(

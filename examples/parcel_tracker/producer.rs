@@ -107,9 +107,9 @@ macro_rules! parcel_store_for {
                 parcel: &NewParcel,
                 idempotency_key: Option<&str>,
             ) -> Result<Created, CreateError> {
-                use inbox::InboxStore;
                 let parcel_id = uuid::Uuid::new_v4();
-                let mut tx = self.begin().await?;
+                // Its messages are written as it commits (the key's lock held only then).
+                let mut tx = outbox.begin().await?;
                 if let Some(key) = idempotency_key {
                     let fingerprint = parcel.fingerprint();
                     let insert = if $dialect == Dialect::MySql {
@@ -127,12 +127,12 @@ macro_rules! parcel_store_for {
                         .bind(key)
                         .bind(parcel_id.to_string())
                         .bind(&fingerprint)
-                        .execute(&mut *tx)
+                        .execute(&mut **tx)
                         .await?;
                     if !($written)(&result) {
                         // An earlier request with this key committed (a concurrent one made this
                         // insert wait until it did): answer with its parcel.
-                        self.rollback(tx).await?;
+                        tx.rollback().await?;
                         let (id, first): (String, String) = sqlx::query_as(&sql(
                             "SELECT parcel_id, fingerprint FROM parcel_requests WHERE idempotency_key = $1",
                             $dialect,
@@ -153,7 +153,7 @@ macro_rules! parcel_store_for {
                     .bind(parcel_id.to_string())
                     .bind(&parcel.tracking_number)
                     .bind(&parcel.destination)
-                    .execute(&mut *tx)
+                    .execute(&mut **tx)
                     .await?;
                 let event = ParcelCreatedEvent {
                     parcel_id,
@@ -163,10 +163,10 @@ macro_rules! parcel_store_for {
                 let message =
                     OutgoingMessage::new(format!("parcel-created-{parcel_id}"), event.to_json())
                         .with_key(parcel_id.to_string());
-                outbox.send(&mut tx, source, message).await?;
-                // Commits, then wakes the relays (in this process at once; in others by NOTIFY
-                // on PostgreSQL, sent after the commit).
-                outbox.commit(tx).await?;
+                tx.send(source, message)?;
+                // Writes the outbox row, commits, then wakes the relays (in this process at once;
+                // in others by NOTIFY on PostgreSQL, sent after the commit).
+                tx.commit().await?;
                 Ok(Created { parcel_id, replayed: false })
             }
 

@@ -21,12 +21,18 @@
 //! let store = PostgresStore::connect("postgres://localhost/app", 8).await?;
 //! let outbox = Outbox::new(store.clone());
 //!
+//! // A transaction whose messages are written as it commits (see `OutboxTx`).
+//! let mut tx = outbox.begin().await?;
+//! sqlx::query("INSERT INTO parcels (id) VALUES ('p-1')").execute(&mut **tx).await?;
+//! tx.send("parcels", OutgoingMessage::new("parcel-created-p-1", "{}").with_key("p-1"))?;
+//! tx.commit().await?; // writes the row, commits, then wakes the relays at once
+//!
+//! // Or written at once, into any transaction of the store (a consumer's, say).
 //! let mut tx = store.begin().await?;
-//! sqlx::query("INSERT INTO parcels (id) VALUES ('p-1')").execute(&mut *tx).await?;
 //! outbox
-//!     .send(&mut tx, "parcels", OutgoingMessage::new("parcel-created-p-1", "{}").with_key("p-1"))
+//!     .send(&mut tx, "parcels", OutgoingMessage::new("parcel-created-p-2", "{}").with_key("p-2"))
 //!     .await?;
-//! outbox.commit(tx).await?; // commits, then wakes the relays at once
+//! outbox.commit(tx).await?; // commits, then wakes the relays
 //!
 //! let stop = CancellationToken::new();
 //! outbox.relay(transport).run(stop).await?;
@@ -313,6 +319,26 @@ pub trait OutboxStore: InboxStore + Clone {
         ordering_key: Option<&str>,
     ) -> Result<(i64, bool), StoreError>;
 
+    /// Writes `staged` in `tx`, then commits it: what [`OutboxTx::commit`] does. Returns each
+    /// row's id and whether it was written, in `staged`'s order. A store whose commit first
+    /// checks that the transaction is still live (PostgreSQL) may let the writes prove it.
+    async fn commit_outbox(
+        &self,
+        mut tx: Self::Tx,
+        staged: &[Staged],
+    ) -> Result<Vec<(i64, bool)>, StoreError> {
+        match insert_staged(self, &mut tx, staged).await {
+            Ok(written) => {
+                self.commit(tx).await?;
+                Ok(written)
+            }
+            Err(e) => {
+                let _ = self.rollback(tx).await;
+                Err(e)
+            }
+        }
+    }
+
     /// Claims up to `limit` publishable rows for `lease`, in one statement: pending, due, not
     /// claimed by another batch, and each the first pending row of its key. Ordered by id.
     async fn claim_outbox(&self, limit: u32, lease: Duration) -> Result<OutboxBatch, StoreError>;
@@ -345,6 +371,136 @@ pub trait OutboxStore: InboxStore + Clone {
     async fn relay_signals(&self) -> Result<Option<BoxStream<'static, ()>>, StoreError> {
         Ok(None)
     }
+}
+
+/// A message [`OutboxTx::send`] staged, written when the transaction commits.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Staged {
+    /// Where to publish.
+    pub destination: String,
+    /// The message id: the caller's, or the fresh UUIDv7 given to it.
+    pub message_id: String,
+    /// The message.
+    pub message: OutgoingMessage,
+}
+
+/// Writes `staged` in `tx`, each key's rows in the order they were staged; rows of different
+/// keys sorted by key, so that two transactions sending to the same keys lock them in one order
+/// and cannot deadlock. Returns what was written, in `staged`'s order.
+pub(crate) async fn insert_staged<S: OutboxStore>(
+    store: &S,
+    tx: &mut S::Tx,
+    staged: &[Staged],
+) -> Result<Vec<(i64, bool)>, StoreError> {
+    let mut order: Vec<usize> = (0..staged.len()).collect();
+    order.sort_by(|&a, &b| {
+        let key = |i: usize| (&staged[i].destination, staged[i].message.key.as_deref());
+        key(a).cmp(&key(b))
+    });
+    let mut written = vec![(0, false); staged.len()];
+    for i in order {
+        let row = &staged[i];
+        let key = codec::ordering_key(&row.message)?;
+        written[i] = store
+            .insert_outbox(tx, &row.destination, &row.message_id, &row.message, key)
+            .await?;
+    }
+    Ok(written)
+}
+
+/// A transaction whose outgoing messages are written as it commits; from [`Outbox::begin`].
+///
+/// The cheaper way to send from a transaction the application owns: the rows are written just
+/// before the `COMMIT`, so an ordering key is locked only for that moment (writers of a hot key
+/// wait on each other less), and on PostgreSQL the write also proves the transaction live, which
+/// [`Outbox::commit`] checks with a statement of its own (one round trip fewer). Run your own
+/// statements through it (`&mut **tx` is the connection). What [`send`](Self::send) stages is
+/// validated at once; whether a message was new (not sent before under its id) is known at the
+/// commit. Dropped without [`commit`](Self::commit), it rolls back and writes nothing.
+pub struct OutboxTx<S: OutboxStore> {
+    outbox: Outbox<S>,
+    tx: S::Tx,
+    staged: Vec<Staged>,
+}
+
+impl<S: OutboxStore> std::fmt::Debug for OutboxTx<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OutboxTx")
+            .field("staged", &self.staged.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: OutboxStore> std::ops::Deref for OutboxTx<S> {
+    type Target = S::Tx;
+
+    fn deref(&self) -> &S::Tx {
+        &self.tx
+    }
+}
+
+impl<S: OutboxStore> std::ops::DerefMut for OutboxTx<S> {
+    fn deref_mut(&mut self) -> &mut S::Tx {
+        &mut self.tx
+    }
+}
+
+impl<S: OutboxStore> OutboxTx<S> {
+    /// Stages `message` to `destination`, to be written when the transaction commits; returns
+    /// its message id (the caller's, or a fresh UUIDv7). The same rules as [`Outbox::send`]:
+    /// `(destination, message id)` is unique, `message.key` is the ordering key.
+    pub fn send(
+        &mut self,
+        destination: &str,
+        message: OutgoingMessage,
+    ) -> Result<String, StoreError> {
+        let message_id = checked(destination, &message)?;
+        self.staged.push(Staged {
+            destination: destination.to_owned(),
+            message_id: message_id.clone(),
+            message,
+        });
+        Ok(message_id)
+    }
+
+    /// Writes the staged messages and commits, then wakes the relays. Returns what each
+    /// [`send`](Self::send) wrote, in order. On an error nothing is committed.
+    pub async fn commit(self) -> Result<Vec<Sent>, StoreError> {
+        let OutboxTx { outbox, tx, staged } = self;
+        let written = outbox.store.commit_outbox(tx, &staged).await?;
+        if !staged.is_empty() {
+            outbox.wake();
+        }
+        Ok(staged
+            .into_iter()
+            .zip(written)
+            .map(|(row, (row_id, written))| Sent {
+                row_id,
+                message_id: row.message_id,
+                written,
+            })
+            .collect())
+    }
+
+    /// Rolls back: nothing staged is written.
+    pub async fn rollback(self) -> Result<(), StoreError> {
+        self.outbox.store.rollback(self.tx).await
+    }
+}
+
+/// The message id `message` is sent under, once `destination`, the id and the key are valid.
+fn checked(destination: &str, message: &OutgoingMessage) -> Result<String, StoreError> {
+    let message_id = match &message.message_id {
+        Some(id) => crate::id::MessageId::new(id.as_str())
+            .map_err(|e| StoreError::Invalid(e.to_string()))?
+            .as_str()
+            .to_owned(),
+        None => uuid::Uuid::now_v7().to_string(),
+    };
+    codec::check_destination(destination)?;
+    codec::ordering_key(message)?;
+    Ok(message_id)
 }
 
 /// Writes outgoing messages in the caller's transaction and wakes the relays after commits.
@@ -401,6 +557,15 @@ impl<S: OutboxStore> Outbox<S> {
         &self.store
     }
 
+    /// Begins a transaction whose messages are written as it commits: see [`OutboxTx`].
+    pub async fn begin(&self) -> Result<OutboxTx<S>, StoreError> {
+        Ok(OutboxTx {
+            outbox: self.clone(),
+            tx: self.store.begin().await?,
+            staged: Vec::new(),
+        })
+    }
+
     /// Writes `message` to `destination` in `tx`, to be published once `tx` commits.
     ///
     /// The message id is `message.message_id`, or a fresh UUIDv7. `(destination, message id)` is
@@ -420,14 +585,7 @@ impl<S: OutboxStore> Outbox<S> {
         destination: &str,
         message: OutgoingMessage,
     ) -> Result<Sent, StoreError> {
-        let message_id = match &message.message_id {
-            Some(id) => crate::id::MessageId::new(id.as_str())
-                .map_err(|e| StoreError::Invalid(e.to_string()))?
-                .as_str()
-                .to_owned(),
-            None => uuid::Uuid::now_v7().to_string(),
-        };
-        codec::check_destination(destination)?;
+        let message_id = checked(destination, &message)?;
         let key = codec::ordering_key(&message)?;
         let (row_id, written) = self
             .store

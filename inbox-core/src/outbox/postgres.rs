@@ -19,6 +19,7 @@ use futures::stream::BoxStream;
 use super::codec::{encode_headers, traceparent};
 use super::{
     BatchClaim, OutboxBatch, OutboxDeadRow, OutboxRow, OutboxStats, OutboxStore, PublishFailure,
+    Staged,
 };
 use crate::error::StoreError;
 use crate::message::OutgoingMessage;
@@ -197,6 +198,30 @@ impl OutboxStore for PostgresStore {
             None => {
                 Box::pin(self.insert_outbox(tx, destination, message_id, message, ordering_key))
                     .await
+            }
+        }
+    }
+
+    async fn commit_outbox(
+        &self,
+        mut tx: PgTx,
+        staged: &[Staged],
+    ) -> Result<Vec<(i64, bool)>, StoreError> {
+        if staged.is_empty() {
+            crate::InboxStore::commit(self, tx).await?;
+            return Ok(Vec::new());
+        }
+        match super::insert_staged(self, &mut tx, staged).await {
+            Ok(written) => {
+                // The writes just succeeded in this transaction, so it is live: PostgreSQL
+                // fails every statement of an aborted one. No statement runs between them and
+                // the COMMIT, which therefore cannot turn into a silent rollback.
+                tx.commit().await.map_err(store_error)?;
+                Ok(written)
+            }
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(e)
             }
         }
     }

@@ -381,11 +381,22 @@ impl<S: OutboxStore> Relay<S> {
                 "outbox relay: lease lapsed before the mark; another relay publishes those rows again"
             );
         }
-        for row in &published {
-            let labels = self.labels(&row.destination);
-            metrics::counter!(m::PUBLISHED, &labels).increment(1);
-            metrics::histogram!(m::COMMIT_TO_CONFIRM_SECONDS, &labels)
-                .record((row.age + confirmed_after).as_secs_f64());
+        // The handles once per destination (a batch has one, mostly), not per row: each
+        // lookup allocates its labels and hashes them.
+        let mut start = 0;
+        while start < published.len() {
+            let destination = &published[start].destination;
+            let end = published[start..]
+                .iter()
+                .position(|row| &row.destination != destination)
+                .map_or(published.len(), |n| start + n);
+            let labels = self.labels(destination);
+            metrics::counter!(m::PUBLISHED, &labels).increment((end - start) as u64);
+            let latency = metrics::histogram!(m::COMMIT_TO_CONFIRM_SECONDS, &labels);
+            for row in &published[start..end] {
+                latency.record((row.age + confirmed_after).as_secs_f64());
+            }
+            start = end;
         }
         report.published += marked;
         report.fenced += fenced;

@@ -244,6 +244,50 @@ pub async fn outbox_publishes_committed_rows_once<D: TestDb>(
         .await
         .unwrap();
     outbox.commit(tx).await.unwrap();
+    // Through a transaction that writes its messages as it commits: its own statements run
+    // through it; the same message twice writes one row; rolled back or dropped, nothing.
+    for i in 200..210 {
+        let id = s.id(i);
+        let key = (i % 2 == 0).then(|| format!("k{}", i % 4));
+        let mut tx = outbox.begin().await.unwrap();
+        db.write_effect(&mut tx, &format!("{}-tx", s.run), "app", &id)
+            .await
+            .unwrap();
+        assert_eq!(
+            tx.send(&s.source, message(&id, key.as_deref())).unwrap(),
+            id
+        );
+        tx.send(&s.source, message(&id, key.as_deref())).unwrap();
+        let sent = tx.commit().await.unwrap();
+        assert_eq!(sent.len(), 2);
+        assert!(sent[0].written && !sent[1].written, "{sent:?}");
+        assert_eq!(sent[0].row_id, sent[1].row_id);
+        committed.push((sent[0].row_id, id, key));
+    }
+    let mut tx = outbox.begin().await.unwrap();
+    tx.send(&s.source, message(&s.id(300), Some("k0"))).unwrap();
+    tx.rollback().await.unwrap();
+    let mut tx = outbox.begin().await.unwrap();
+    tx.send(&s.source, message(&s.id(301), None)).unwrap();
+    drop(tx);
+    assert!(
+        outbox
+            .begin()
+            .await
+            .unwrap()
+            .send(&s.source, message("", None))
+            .is_err(),
+        "an invalid id is refused when staged"
+    );
+    if D::FAILED_STATEMENT_ABORTS {
+        // A statement failed and the application went on: the commit must fail (not turn into
+        // a silent rollback reported as success), and nothing is written.
+        let mut tx = outbox.begin().await.unwrap();
+        tx.send(&s.source, message(&s.id(302), None)).unwrap();
+        assert!(db.failing_statement(&mut tx).await.is_err());
+        let refused = tx.commit().await;
+        assert!(refused.is_err(), "{refused:?}");
+    }
     let version = uuid::Uuid::parse_str(&fresh.message_id).map(|u| u.get_version_num());
     assert_eq!(
         version,
@@ -413,7 +457,8 @@ pub async fn outbox_keeps_key_order_under_out_of_order_commits<D: TestDb>(
         committed.push(c.await.unwrap());
     }
     // Many writers at once, each transaction sending to one to three keys (in key order, as the
-    // outbox asks, so writers never deadlock), one in seven rolled back.
+    // outbox asks, so writers never deadlock; half of them staged through `Outbox::begin`), one
+    // in seven rolled back.
     let writers: Vec<JoinHandle<Vec<CommittedRow>>> = (0..6)
         .map(|w| {
             let (outbox, source, run) = (outbox.clone(), s.source.clone(), s.run.clone());
@@ -426,6 +471,27 @@ pub async fn outbox_keeps_key_order_under_out_of_order_commits<D: TestDb>(
                         .collect();
                     keys.sort();
                     keys.dedup();
+                    if w % 2 == 1 {
+                        // Staged, written at the commit: the keys in any order (the outbox
+                        // writes them sorted).
+                        keys.reverse();
+                        let mut tx = outbox.begin().await.unwrap();
+                        let ids: Vec<String> = (0..keys.len())
+                            .map(|j| format!("{run}-w{w}-t{t}-{j}"))
+                            .collect();
+                        for (id, key) in ids.iter().zip(&keys) {
+                            tx.send(&source, message(id, Some(key))).unwrap();
+                        }
+                        if n % 7 == 3 {
+                            tx.rollback().await.unwrap();
+                        } else {
+                            let sent = tx.commit().await.unwrap();
+                            for ((sent, id), key) in sent.into_iter().zip(ids).zip(&keys) {
+                                mine.push((sent.row_id, id, Some(key.clone())));
+                            }
+                        }
+                        continue;
+                    }
                     let mut tx = outbox.store().begin().await.unwrap();
                     let mut rows = Vec::new();
                     for (j, key) in keys.iter().enumerate() {
