@@ -680,17 +680,16 @@ impl Inspect {
         }
     }
 
-    /// The outbox row of message `id`: its failed attempts, and whether it is leased.
-    async fn stalled_row(&self, id: &str) -> Option<(i32, bool)> {
-        const SQL: &str =
-            "SELECT attempts, lease_token IS NOT NULL FROM outbox_messages WHERE message_id = ";
+    /// The failed attempts of the outbox row of message `id`, if the row is there (not marked).
+    async fn stalled_row(&self, id: &str) -> Option<i32> {
+        const SQL: &str = "SELECT attempts FROM outbox_messages WHERE message_id = ";
         match self {
-            Inspect::Postgres(pool) => sqlx::query_as(&format!("{SQL}$1"))
+            Inspect::Postgres(pool) => sqlx::query_scalar(&format!("{SQL}$1"))
                 .bind(id)
                 .fetch_optional(pool)
                 .await
                 .unwrap(),
-            Inspect::MySql(pool) => sqlx::query_as(&format!("{SQL}?"))
+            Inspect::MySql(pool) => sqlx::query_scalar(&format!("{SQL}?"))
                 .bind(id)
                 .fetch_optional(pool)
                 .await
@@ -786,8 +785,9 @@ async fn outbox_kill_nine(broker: Broker, db: Database) {
         .await;
         let stalled_ids = Arc::clone(&relay.stalled_ids);
         if relay.kill_after(dice.millis(5, 300)).await {
-            // Between publish and mark for certain: the stalled row is still leased, and no
+            // Between publish and mark for certain: the stalled row is still there, and no
             // failure was recorded on it (the relay gives up on a stalled publish at 0.9 lease).
+            // (Its claim ended with the process on PostgreSQL; elsewhere its lease runs on.)
             let id = stalled_ids
                 .lock()
                 .unwrap()
@@ -795,7 +795,7 @@ async fn outbox_kill_nine(broker: Broker, db: Database) {
                 .cloned()
                 .expect("a stalled id");
             let row = pool.stalled_row(&id).await;
-            at_stalls += u64::from(row == Some((0, true)));
+            at_stalls += u64::from(row == Some(0));
         }
         relay_kills += 1;
         if k % 4 == 3 {
@@ -847,7 +847,7 @@ async fn outbox_kill_nine(broker: Broker, db: Database) {
     assert_eq!(left, 0, "outbox rows left");
     assert!(
         at_stalls > 0,
-        "no relay was killed with a stalled row still leased and unmarked"
+        "no relay was killed with a stalled row published and unmarked"
     );
     assert!(
         duplicates > 0,
