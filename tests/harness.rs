@@ -1516,8 +1516,8 @@ mod nats {
     use inbox::nats::{NatsConfig, NatsTransport};
 
     /// The demo's consumers on `NATS_URL` with a 3 s ack wait, so a killed instance's messages
-    /// come back within seconds. The harness publishes without `Nats-Msg-Id` deduplication: every
-    /// copy reaches the consumers, for the inbox to discard.
+    /// come back within seconds. The harness and the demo's relay publish without `Nats-Msg-Id`
+    /// deduplication: every copy reaches the consumers, for the inbox to discard.
     async fn broker() -> Broker {
         let url = conformance::services::nats_url();
         let transport = Arc::new(
@@ -1537,7 +1537,11 @@ mod nats {
         Broker {
             name: "nats",
             transport,
-            env: vec![("NATS_URL", url), ("NATS_ACK_WAIT_MS", "3000".to_owned())],
+            env: vec![
+                ("NATS_URL", url),
+                ("NATS_ACK_WAIT_MS", "3000".to_owned()),
+                ("NATS_DEDUPLICATE", "0".to_owned()),
+            ],
             source,
             unsettled,
         }

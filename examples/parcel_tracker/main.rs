@@ -254,7 +254,8 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
 /// `RABBITMQ_QUEUE_TYPE` (`quorum`; classic otherwise) and `RABBITMQ_DELIVERY_LIMIT`; Kafka
 /// `KAFKA_BROKERS` (default `127.0.0.1:9092`), `KAFKA_SESSION_TIMEOUT_MS`, `KAFKA_ORPHAN_GUARD`
 /// (`0`: off; on otherwise) and `KAFKA_CONFIG` (more client settings: `key=value,key=value`);
-/// NATS `NATS_URL` (default `nats://127.0.0.1:4222`) and `NATS_ACK_WAIT_MS`; Redis `REDIS_URL`
+/// NATS `NATS_URL` (default `nats://127.0.0.1:4222`), `NATS_ACK_WAIT_MS` and `NATS_DEDUPLICATE`
+/// (`0`: publish without `Nats-Msg-Id`; on otherwise); Redis `REDIS_URL`
 /// (default `redis://127.0.0.1:6379`) and `REDIS_VISIBILITY_MS`.
 async fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
     match kind {
@@ -321,6 +322,11 @@ async fn transport(kind: TransportKind) -> Result<Arc<dyn Transport>, Error> {
                 .and_then(|v| v.parse().ok())
             {
                 config = config.ack_wait(Duration::from_millis(ms));
+            }
+            // Off, a relay's second publish of a row reaches the consumers (for their inboxes to
+            // discard) instead of being dropped by the stream's duplicate window.
+            if std::env::var("NATS_DEDUPLICATE").is_ok_and(|v| v == "0") {
+                config = config.deduplicate(false);
             }
             Ok(Arc::new(
                 inbox::nats::NatsTransport::connect(url, config).await?,
