@@ -128,6 +128,7 @@ pub struct OutboxBatch {
     /// The rows, in id order.
     pub rows: Vec<OutboxRow>,
     claim: Box<dyn BatchClaim>,
+    claimed_at: std::time::Instant,
 }
 
 impl std::fmt::Debug for OutboxBatch {
@@ -139,9 +140,26 @@ impl std::fmt::Debug for OutboxBatch {
 }
 
 impl OutboxBatch {
-    /// `rows`, held by `claim` (a store's own way of ending the claim).
+    /// `rows`, held by `claim` (a store's own way of ending the claim), whose lease starts now.
     pub fn new(rows: Vec<OutboxRow>, claim: Box<dyn BatchClaim>) -> Self {
-        Self { rows, claim }
+        Self {
+            rows,
+            claim,
+            claimed_at: std::time::Instant::now(),
+        }
+    }
+
+    /// The lease started at `at` (by this process's clock; no later than the database's start
+    /// of it), not when the batch was built.
+    pub fn claimed_at(mut self, at: std::time::Instant) -> Self {
+        self.claimed_at = at;
+        self
+    }
+
+    /// When the lease started: the relay stops waiting for this batch's confirms a tenth of
+    /// the lease before it ends.
+    pub fn lease_started(&self) -> std::time::Instant {
+        self.claimed_at
     }
 
     /// A batch of no rows (nothing was claimed).
@@ -212,12 +230,17 @@ trait TokenLeases: Send + Sync + 'static {
 
 /// A batch of `rows` claimed under `token`.
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
-fn leased<S: TokenLeases + Clone>(store: &S, token: &str, rows: Vec<OutboxRow>) -> OutboxBatch {
+fn leased<S: TokenLeases + Clone>(
+    store: &S,
+    token: &str,
+    rows: Vec<OutboxRow>,
+    started: std::time::Instant,
+) -> OutboxBatch {
     let claim = Leased {
         store: store.clone(),
         token: token.to_owned(),
     };
-    OutboxBatch::new(rows, Box::new(claim))
+    OutboxBatch::new(rows, Box::new(claim)).claimed_at(started)
 }
 
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
@@ -305,8 +328,9 @@ pub struct OutboxDeadRow {
 ///
 /// A relay batch's claim lasts until its lease lapses: after that, another relay may claim the
 /// rows, and the old batch can neither mark them published nor record a failure on them
-/// (fencing). PostgreSQL holds the claimed rows' locks in a transaction the database ends when
-/// the lease lapses; MySQL and SQLite name a lease token in every statement of the batch.
+/// (fencing). PostgreSQL holds the claimed rows' locks in a transaction the database ends once
+/// its session has been idle for the lease (the batch's publishes are that idle time); MySQL
+/// and SQLite name a lease token in every statement of the batch.
 #[async_trait]
 pub trait OutboxStore: InboxStore + Clone {
     /// Writes `message` to `destination` in `tx`. The caller has validated it; the id is set.
@@ -418,6 +442,12 @@ pub(crate) async fn insert_staged<S: OutboxStore>(
 /// statements through it (`&mut **tx` is the connection). What [`send`](Self::send) stages is
 /// validated at once; whether a message was new (not sent before under its id) is known at the
 /// commit. Dropped without [`commit`](Self::commit), it rolls back and writes nothing.
+///
+/// Staged messages are the transaction's last writes: a savepoint you roll back to yourself
+/// does not take back what was staged after it, and a message written at once with
+/// [`Outbox::send`] into the same transaction gets an earlier row id (so, on the same key, an
+/// earlier publish) than one staged before it — use one way per transaction. On SQLite a write
+/// transaction holds the database's lock from its start whichever way it sends.
 pub struct OutboxTx<S: OutboxStore> {
     outbox: Outbox<S>,
     tx: S::Tx,
@@ -465,7 +495,10 @@ impl<S: OutboxStore> OutboxTx<S> {
     }
 
     /// Writes the staged messages and commits, then wakes the relays. Returns what each
-    /// [`send`](Self::send) wrote, in order. On an error nothing is committed.
+    /// [`send`](Self::send) wrote, in order. On an error the transaction is rolled back, except
+    /// when the error is the lost reply to the `COMMIT` itself (as with any commit). A conflict
+    /// (a deadlock: two transactions sending to keys whose locks collide, or writing the same
+    /// message id at once) is transient: run the transaction again.
     pub async fn commit(self) -> Result<Vec<Sent>, StoreError> {
         let OutboxTx { outbox, tx, staged } = self;
         let written = outbox.store.commit_outbox(tx, &staged).await?;

@@ -132,9 +132,11 @@ impl OutboxStore for MySqlStore {
             .map_err(store_error)?;
         if rows.is_empty() {
             tx.rollback().await.map_err(store_error)?;
-            return Ok(super::leased(self, token, Vec::new()));
+            return Ok(OutboxBatch::empty());
         }
         let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
+        // No later than the database's start of the lease.
+        let started = std::time::Instant::now();
         let lease_sql = format!(
             "UPDATE outbox_messages
              SET lease_token = ?, lease_until = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND
@@ -168,7 +170,7 @@ impl OutboxStore for MySqlStore {
                 },
             )
             .collect();
-        Ok(super::leased(self, token, rows))
+        Ok(super::leased(self, token, rows, started))
     }
 
     async fn outbox_stats(&self) -> Result<Vec<OutboxStats>, StoreError> {

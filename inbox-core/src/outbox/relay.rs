@@ -138,7 +138,8 @@ impl<S: OutboxStore> Relay<S> {
 
     /// The longest an idle relay waits before it looks for rows without a wake-up (default
     /// 1 s). Idle, it looks after 10 ms, then doubles the wait up to this: an idle relay costs at
-    /// most one query per interval. Wake-ups (commits through [`Outbox::commit`], a consumer's
+    /// most one look per interval (on PostgreSQL three round trips: `BEGIN`, the claim,
+    /// `ROLLBACK`). Wake-ups (commits through [`Outbox::commit`], a consumer's
     /// [`Outbox::after_commit`], PostgreSQL's `NOTIFY` from other processes) cut the wait short.
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.poll_interval = interval.max(FIRST_IDLE_POLL);
@@ -297,16 +298,17 @@ impl<S: OutboxStore> Relay<S> {
     }
 
     async fn run_once_into(&self, report: &mut RelayReport) -> Result<Batch, StoreError> {
-        // The lease runs from the claim, by the database's clock; stop waiting for confirms a
-        // tenth of it before it ends by ours, so that no publish of ours is still in flight
-        // once another relay may have the row (and the next row of its key).
-        let deadline = Instant::now() + self.lease - self.lease / 10;
-        let (rows, claim) = self
+        let batch = self
             .outbox
             .store
             .claim_outbox(self.batch_size, self.lease)
-            .await?
-            .into_parts();
+            .await?;
+        // The lease runs from the claim (not from before it: on PostgreSQL the claim may have
+        // waited for a pooled connection); stop waiting for confirms a tenth of it before it
+        // ends, so that no publish of ours is still in flight once another relay may have the
+        // row (and the next row of its key).
+        let deadline = Instant::from_std(batch.lease_started()) + self.lease - self.lease / 10;
+        let (rows, claim) = batch.into_parts();
         if rows.is_empty() {
             return Ok(Batch::Empty);
         }

@@ -111,6 +111,8 @@ impl OutboxStore for SqliteStore {
     async fn claim_outbox(&self, limit: u32, lease: Duration) -> Result<OutboxBatch, StoreError> {
         let token = uuid::Uuid::new_v4().to_string();
         let token = token.as_str();
+        // No later than the database's start of the lease.
+        let started = std::time::Instant::now();
         type Row = (
             i64,
             String,
@@ -148,7 +150,7 @@ impl OutboxStore for SqliteStore {
             )
             .collect();
         rows.sort_by_key(|r| r.id);
-        Ok(super::leased(self, token, rows))
+        Ok(super::leased(self, token, rows, started))
     }
 
     async fn outbox_stats(&self) -> Result<Vec<OutboxStats>, StoreError> {

@@ -264,6 +264,21 @@ pub async fn outbox_publishes_committed_rows_once<D: TestDb>(
         assert_eq!(sent[0].row_id, sent[1].row_id);
         committed.push((sent[0].row_id, id, key));
     }
+    // Two messages of one key in one transaction, another key between them: rows (and so
+    // publishes) in the order they were staged.
+    let mut tx = outbox.begin().await.unwrap();
+    let staged = [(s.id(210), "k3"), (s.id(211), "k1"), (s.id(212), "k3")];
+    for (id, key) in &staged {
+        tx.send(&s.source, message(id, Some(key))).unwrap();
+    }
+    let sent = tx.commit().await.unwrap();
+    assert!(
+        sent[0].row_id < sent[2].row_id,
+        "staged order within a key: {sent:?}"
+    );
+    for (sent, (id, key)) in sent.iter().zip(staged) {
+        committed.push((sent.row_id, id, Some(key.to_owned())));
+    }
     let mut tx = outbox.begin().await.unwrap();
     tx.send(&s.source, message(&s.id(300), Some("k0"))).unwrap();
     tx.rollback().await.unwrap();
