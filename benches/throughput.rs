@@ -41,9 +41,9 @@ use inbox::memory::MemoryBroker;
 use inbox::outbox::Outbox;
 use inbox::transport::{AckToken, Capabilities, Delivery, DeliveryStream, Subscription};
 use inbox::{
-    Batching, CancellationToken, Consumer, ConsumerName, Handler, HandlerError, Headers,
-    InboxAdmin, InboxStore, Message, MySqlStore, MySqlTx, OutgoingMessage, PgTx, PostgresStore,
-    Transport, TransportError, async_trait,
+    BatchError, BatchHandler, Batching, CancellationToken, Consumer, ConsumerName, Handler,
+    HandlerError, Headers, InboxAdmin, InboxStore, Message, MySqlStore, MySqlTx, OutgoingMessage,
+    PgTx, PostgresStore, Transport, TransportError, async_trait,
 };
 use sqlx::{Connection, Executor, PgPool};
 use tokio::sync::Semaphore;
@@ -131,12 +131,38 @@ async fn business_write(
 
 struct BenchHandler {
     run: String,
+    /// A batch handler in batch mode: each batch's rows in one statement.
+    whole: bool,
 }
 
 #[async_trait]
 impl Handler<PgTx> for BenchHandler {
     async fn handle(&self, message: &Message<'_>, tx: &mut PgTx) -> Result<(), HandlerError> {
         business_write(tx, &self.run, message.id.as_str()).await?;
+        Ok(())
+    }
+
+    fn as_batch_handler(&self) -> Option<&dyn BatchHandler<PgTx>> {
+        self.whole.then_some(self as &dyn BatchHandler<PgTx>)
+    }
+}
+
+#[async_trait]
+impl BatchHandler<PgTx> for BenchHandler {
+    async fn handle_batch(
+        &self,
+        messages: &[Message<'_>],
+        tx: &mut PgTx,
+    ) -> Result<(), BatchError> {
+        let ids: Vec<&str> = messages.iter().map(|m| m.id.as_str()).collect();
+        sqlx::query(
+            "INSERT INTO bench_effects (run, message_id, payload)
+             SELECT $1, id, 'booked' FROM unnest($2::text[]) AS t(id)",
+        )
+        .bind(&self.run)
+        .bind(&ids)
+        .execute(&mut **tx)
+        .await?;
         Ok(())
     }
 }
@@ -150,6 +176,29 @@ impl Handler<MySqlTx> for BenchHandler {
             .bind("booked")
             .execute(&mut **tx)
             .await?;
+        Ok(())
+    }
+
+    fn as_batch_handler(&self) -> Option<&dyn BatchHandler<MySqlTx>> {
+        self.whole.then_some(self as &dyn BatchHandler<MySqlTx>)
+    }
+}
+
+#[async_trait]
+impl BatchHandler<MySqlTx> for BenchHandler {
+    async fn handle_batch(
+        &self,
+        messages: &[Message<'_>],
+        tx: &mut MySqlTx,
+    ) -> Result<(), BatchError> {
+        let rows = vec!["(?, ?, 'booked')"; messages.len()].join(", ");
+        let statement =
+            format!("INSERT INTO bench_effects (run, message_id, payload) VALUES {rows}");
+        let mut query = sqlx::query(&statement);
+        for message in messages {
+            query = query.bind(&self.run).bind(message.id.as_str());
+        }
+        query.execute(&mut **tx).await?;
         Ok(())
     }
 }
@@ -470,6 +519,22 @@ async fn inbox_mode<S: BenchStore>(
 where
     BenchHandler: Handler<S::Tx>,
 {
+    inbox_mode_with(name, target, store, args, batch, copies, false).await
+}
+
+/// [`inbox_mode`], with the handler in its batch form when `whole`.
+async fn inbox_mode_with<S: BenchStore>(
+    name: &'static str,
+    target: &Target,
+    store: &S,
+    args: &Args,
+    batch: Option<Batching>,
+    copies: bool,
+    whole: bool,
+) -> Result<Measured, Error>
+where
+    BenchHandler: Handler<S::Tx>,
+{
     let run = run_name("inbox");
     let (source, total) = prepare(target, &run, args.messages, copies).await?;
     let mut consumer = Consumer::new(
@@ -477,7 +542,10 @@ where
         source,
         Arc::clone(&target.transport),
         store.clone(),
-        BenchHandler { run: run.clone() },
+        BenchHandler {
+            run: run.clone(),
+            whole,
+        },
     )
     .concurrency(args.concurrency);
     if let Some(batch) = batch {
@@ -501,6 +569,7 @@ where
     Ok(Measured {
         name,
         mode: match (batch, copies) {
+            (Some(_), _) if whole => "batch_handler",
             (Some(_), _) => "batch",
             (None, true) => "copies",
             (None, false) => "per_message",
@@ -1145,7 +1214,10 @@ async fn soak(total: u64, args: &Args, store: &PostgresStore) -> Result<(), Erro
         source.clone(),
         Arc::clone(&transport),
         store.clone(),
-        BenchHandler { run: run.clone() },
+        BenchHandler {
+            run: run.clone(),
+            whole: false,
+        },
     )
     .concurrency(args.concurrency)
     .batch(Batching::new(100, Duration::from_millis(5)));
@@ -1368,6 +1440,16 @@ async fn bench(args: Args) -> Result<(), Error> {
             false,
         )
         .await?;
+        let batch_handler = inbox_mode_with(
+            "inbox batch handler (100)",
+            t,
+            &store,
+            &args,
+            Some(Batching::new(100, Duration::from_millis(5))),
+            false,
+            true,
+        )
+        .await?;
         let plain = no_inbox(t, &args, &pool).await?;
         let naive_rate = naive("naive check-then-insert", t, &args, false, &pool).await?;
         let inbox_copies =
@@ -1383,6 +1465,7 @@ async fn bench(args: Args) -> Result<(), Error> {
         for m in [
             &per_message,
             &batched,
+            &batch_handler,
             &plain,
             &naive_rate,
             &inbox_copies,
@@ -1418,6 +1501,16 @@ async fn bench(args: Args) -> Result<(), Error> {
         );
         line("batch / broker consume+ack", ratio(&batched, &raw), 0.5);
         line("batch / per message", ratio(&batched, &per_message), 10.0);
+        line(
+            "batch handler / per message",
+            ratio(&batch_handler, &per_message),
+            10.0,
+        );
+        line(
+            "batch handler / broker consume+ack",
+            ratio(&batch_handler, &raw),
+            if t.name == "kafka" { 0.6 } else { 0.8 },
+        );
         line(
             "inbox per message / naive",
             ratio(&per_message, &naive_rate),

@@ -19,6 +19,14 @@ conformance_suite!(
     async { conformance::stores::Postgres },
     batched = true
 );
+// Batch mode with a batch handler: each batch handled in one call, failures isolated by
+// splitting the batch.
+conformance_suite!(
+    kafka_postgres_whole_batches,
+    Kafka { ordered: true },
+    async { conformance::stores::Postgres },
+    whole_batches
+);
 
 conformance::outbox_suite!(outbox_kafka_postgres, Kafka { ordered: true }, async {
     conformance::stores::Postgres
@@ -88,4 +96,16 @@ async fn hostile_input_from_another_client() {
     })
     .await;
     demo.stop().await;
+}
+
+/// A batch handler's failures isolated by splitting (see the scenario).
+mod whole_batch_splitting {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn on_postgres() {
+        conformance::init_tracing();
+        let db = std::sync::Arc::new(async { conformance::stores::Postgres }.await);
+        conformance::whole_batches_isolate_the_failing_message(&Kafka { ordered: true }, &db).await;
+    }
 }

@@ -15,11 +15,27 @@ conformance_suite!(
     async { conformance::stores::Sqlite },
     batched = true
 );
+// Batch mode with a batch handler: each batch handled in one call, failures isolated by
+// splitting the batch.
+conformance_suite!(
+    memory_sqlite_whole_batches,
+    Memory,
+    async { conformance::stores::Sqlite },
+    whole_batches
+);
 conformance_suite!(
     memory_postgres_batched,
     Memory,
     async { conformance::stores::Postgres },
     batched = true
+);
+// Batch mode with a batch handler: each batch handled in one call, failures isolated by
+// splitting the batch.
+conformance_suite!(
+    memory_postgres_whole_batches,
+    Memory,
+    async { conformance::stores::Postgres },
+    whole_batches
 );
 conformance::outbox_suite!(outbox_memory_sqlite, Memory, async {
     conformance::stores::Sqlite
@@ -760,5 +776,24 @@ mod outbox_fencing {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_lapsed_lease_cannot_mark_on_sqlite() {
         a_lapsed_lease_cannot_mark(Sqlite.store().await).await;
+    }
+}
+
+/// A batch handler's failures isolated by splitting (see the scenario).
+mod whole_batch_splitting {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn on_postgres() {
+        conformance::init_tracing();
+        let db = std::sync::Arc::new(async { conformance::stores::Postgres }.await);
+        conformance::whole_batches_isolate_the_failing_message(&Memory, &db).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn on_sqlite() {
+        conformance::init_tracing();
+        let db = std::sync::Arc::new(async { conformance::stores::Sqlite }.await);
+        conformance::whole_batches_isolate_the_failing_message(&Memory, &db).await;
     }
 }

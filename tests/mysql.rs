@@ -16,6 +16,14 @@ conformance_suite!(
     async { conformance::stores::MySql },
     batched = true
 );
+// Batch mode with a batch handler: each batch handled in one call, failures isolated by
+// splitting the batch.
+conformance_suite!(
+    memory_mysql_whole_batches,
+    Memory,
+    async { conformance::stores::MySql },
+    whole_batches
+);
 conformance_suite!(rabbitmq_mysql, RabbitMq::new(QueueType::Classic), async {
     conformance::stores::MySql
 });
@@ -278,5 +286,17 @@ mod claims {
             matches!(refused, Err(StoreError::Aborted(_))),
             "the commit of a transaction the server rolled back: {refused:?}"
         );
+    }
+}
+
+/// A batch handler's failures isolated by splitting (see the scenario).
+mod whole_batch_splitting {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn on_mysql() {
+        conformance::init_tracing();
+        let db = std::sync::Arc::new(async { conformance::stores::MySql }.await);
+        conformance::whole_batches_isolate_the_failing_message(&Memory, &db).await;
     }
 }

@@ -16,6 +16,14 @@ conformance_suite!(
     async { conformance::stores::Postgres },
     batched = true
 );
+// Batch mode with a batch handler: each batch handled in one call, failures isolated by
+// splitting the batch.
+conformance_suite!(
+    nats_postgres_whole_batches,
+    Nats::new(),
+    async { conformance::stores::Postgres },
+    whole_batches
+);
 
 conformance::outbox_suite!(outbox_nats_postgres, Nats::new(), async {
     conformance::stores::Postgres

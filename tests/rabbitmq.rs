@@ -34,6 +34,14 @@ conformance_suite!(
     async { conformance::stores::Postgres },
     batched = true
 );
+// Batch mode with a batch handler: each batch handled in one call, failures isolated by
+// splitting the batch.
+conformance_suite!(
+    rabbitmq_postgres_whole_batches,
+    RabbitMq::new(QueueType::Classic),
+    async { conformance::stores::Postgres },
+    whole_batches
+);
 
 conformance::outbox_suite!(
     outbox_rabbitmq_postgres,
@@ -896,4 +904,20 @@ async fn hostile_input_from_another_client() {
         "no dead letter more"
     );
     demo.stop().await;
+}
+
+/// A batch handler's failures isolated by splitting (see the scenario).
+mod whole_batch_splitting {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn on_postgres() {
+        conformance::init_tracing();
+        let db = std::sync::Arc::new(async { conformance::stores::Postgres }.await);
+        conformance::whole_batches_isolate_the_failing_message(
+            &RabbitMq::new(QueueType::Classic),
+            &db,
+        )
+        .await;
+    }
 }

@@ -23,6 +23,14 @@ conformance_suite!(
     async { conformance::stores::Postgres },
     batched = true
 );
+// Batch mode with a batch handler: each batch handled in one call, failures isolated by
+// splitting the batch.
+conformance_suite!(
+    redis_postgres_whole_batches,
+    Redis::new(),
+    async { conformance::stores::Postgres },
+    whole_batches
+);
 
 conformance::outbox_suite!(outbox_redis_postgres, Redis::new(), async {
     conformance::stores::Postgres

@@ -5,8 +5,8 @@ use inbox::MySqlTx;
 #[cfg(feature = "postgres")]
 use inbox::PgTx;
 use inbox::{
-    HandlerError, InboxStore, Message, OutgoingMessage, SqliteTx, Transport, TransportError,
-    async_trait,
+    BatchError, HandlerError, InboxStore, Message, OutgoingMessage, SqliteTx, Transport,
+    TransportError, async_trait,
 };
 use serde::{Deserialize, Serialize};
 
@@ -93,6 +93,34 @@ pub fn sql(sql: &'static str, dialect: Dialect) -> std::borrow::Cow<'static, str
         }
     }
     out.into()
+}
+
+/// `INSERT … VALUES` of `rows` rows of `columns` placeholders each, in `dialect`: a batch
+/// handler's one statement.
+fn insert_rows(head: &str, columns: usize, rows: usize, dialect: Dialect) -> String {
+    let mut out = String::from(head);
+    for row in 0..rows {
+        out.push_str(if row == 0 { " VALUES (" } else { ", (" });
+        for column in 0..columns {
+            if column > 0 {
+                out.push_str(", ");
+            }
+            match dialect {
+                Dialect::MySql => out.push('?'),
+                _ => out.push_str(&format!("${}", row * columns + column + 1)),
+            }
+        }
+        out.push(')');
+    }
+    out
+}
+
+/// Each message's event; a message whose payload does not decode fails the batch, naming it.
+fn events(messages: &[Message<'_>]) -> Result<Vec<ParcelCreatedEvent>, BatchError> {
+    messages
+        .iter()
+        .map(|m| m.json().map_err(|e| BatchError::message(m.id, e)))
+        .collect()
 }
 
 /// The demo's own tables (an application would keep these in its own migrations). A booking has
@@ -206,8 +234,83 @@ macro_rules! handlers_for {
     };
 }
 
+/// The batch forms (`consume --handler batch`): each batch's rows in one statement.
+macro_rules! batch_handlers_for {
+    ($tx:ty, $dialect:expr) => {
+        #[async_trait]
+        impl inbox::BatchHandler<$tx> for Notification {
+            async fn handle_batch(
+                &self,
+                messages: &[Message<'_>],
+                tx: &mut $tx,
+            ) -> Result<(), BatchError> {
+                let events = events(messages)?;
+                let statement = insert_rows(
+                    "INSERT INTO notifications (id, parcel_id, tracking_number, text)",
+                    4,
+                    events.len(),
+                    $dialect,
+                );
+                let mut query = sqlx::query(&statement);
+                for event in &events {
+                    query = query
+                        .bind(uuid::Uuid::new_v4().to_string())
+                        .bind(event.parcel_id.to_string())
+                        .bind(event.tracking_number.clone())
+                        .bind(format!(
+                            "Your parcel {} is on its way to {}",
+                            event.tracking_number, event.destination
+                        ));
+                }
+                query.execute(&mut **tx).await?;
+                Ok(())
+            }
+        }
+
+        #[async_trait]
+        impl inbox::BatchHandler<$tx> for CarrierAssignment {
+            async fn handle_batch(
+                &self,
+                messages: &[Message<'_>],
+                tx: &mut $tx,
+            ) -> Result<(), BatchError> {
+                let events = events(messages)?;
+                for (message, event) in messages.iter().zip(&events) {
+                    if flaky(event, message.attempt) {
+                        return Err(BatchError::message(
+                            message.id,
+                            HandlerError::transient("carrier API timed out"),
+                        ));
+                    }
+                }
+                let statement = insert_rows(
+                    "INSERT INTO carrier_bookings (id, parcel_id, carrier, destination)",
+                    4,
+                    events.len(),
+                    $dialect,
+                );
+                let mut query = sqlx::query(&statement);
+                for event in &events {
+                    query = query
+                        .bind(uuid::Uuid::new_v4().to_string())
+                        .bind(event.parcel_id.to_string())
+                        .bind(carrier_for(event))
+                        .bind(event.destination.clone());
+                }
+                query.execute(&mut **tx).await?;
+                Ok(())
+            }
+        }
+    };
+}
+
 #[cfg(feature = "postgres")]
 handlers_for!(PgTx, Dialect::Postgres);
+#[cfg(feature = "postgres")]
+batch_handlers_for!(PgTx, Dialect::Postgres);
+#[cfg(feature = "mysql")]
+batch_handlers_for!(MySqlTx, Dialect::MySql);
+batch_handlers_for!(SqliteTx, Dialect::Sqlite);
 #[cfg(feature = "mysql")]
 handlers_for!(MySqlTx, Dialect::MySql);
 handlers_for!(SqliteTx, Dialect::Sqlite);

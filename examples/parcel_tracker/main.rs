@@ -89,6 +89,13 @@ enum Which {
     Both,
 }
 
+/// How the demo's consumers handle messages.
+#[derive(Clone, Copy, ValueEnum, PartialEq, Debug)]
+enum HandlerShape {
+    PerMessage,
+    Batch,
+}
+
 #[derive(Args)]
 struct ConsumeArgs {
     #[arg(long, value_enum)]
@@ -104,6 +111,16 @@ struct ConsumeArgs {
     /// Handlers in flight per consumer.
     #[arg(long, default_value_t = 8)]
     concurrency: usize,
+    /// `per-message`: one call per message. `batch`: batch mode with the handlers' batch forms,
+    /// each batch's rows written in one statement.
+    #[arg(long, value_enum, default_value = "per-message")]
+    handler: HandlerShape,
+    /// With `--handler batch`: the most messages in a batch.
+    #[arg(long, default_value_t = 100)]
+    batch: usize,
+    /// With `--handler batch`: how long a batch waits to fill, in milliseconds.
+    #[arg(long, default_value_t = 5)]
+    batch_wait: u64,
     /// Fault injection for the crash harness: this fraction of committed messages stalls for
     /// ever between the commit and the ack, after printing `stalled before ack: <id>` on stderr,
     /// so that a SIGKILL lands exactly there. (A stalled process does not drain on SIGTERM.)
@@ -508,6 +525,8 @@ fn consumer_names(which: Which) -> Vec<&'static str> {
 struct Shape {
     /// Handlers in flight per instance.
     concurrency: usize,
+    /// Batch mode with the handlers' batch forms.
+    batches: Option<inbox::Batching>,
     /// Instances per consumer.
     instances: usize,
     /// Fraction of commits that stall before the ack (fault injection).
@@ -538,8 +557,8 @@ async fn run_consumers<S>(
 ) -> Result<Vec<(String, inbox::ConsumerReport)>, Error>
 where
     S: InboxStore + Clone,
-    Notification: Handler<S::Tx>,
-    CarrierAssignment: Handler<S::Tx>,
+    Notification: Handler<S::Tx> + inbox::BatchHandler<S::Tx>,
+    CarrierAssignment: Handler<S::Tx> + inbox::BatchHandler<S::Tx>,
 {
     let mut tasks = tokio::task::JoinSet::new();
     for name in consumer_names(which) {
@@ -554,6 +573,9 @@ where
                     $handler,
                 )
                 .concurrency(shape.concurrency);
+                if let Some(batching) = shape.batches {
+                    consumer = consumer.batch(batching);
+                }
                 if shape.stall_before_ack > 0.0 {
                     consumer = consumer.after_commit(stall_hook(shape.stall_before_ack));
                 }
@@ -565,10 +587,11 @@ where
                 }
             }};
         }
-        if name == domain::NOTIFICATION {
-            spawn!(Notification);
-        } else {
-            spawn!(CarrierAssignment);
+        match (name == domain::NOTIFICATION, shape.batches) {
+            (true, None) => spawn!(Notification),
+            (false, None) => spawn!(CarrierAssignment),
+            (true, Some(_)) => spawn!(inbox::Batched(Notification)),
+            (false, Some(_)) => spawn!(inbox::Batched(CarrierAssignment)),
         }
     }
     let mut reports: Vec<(String, inbox::ConsumerReport)> = Vec::new();
@@ -637,6 +660,9 @@ async fn consume(args: ConsumeArgs) -> Result<ExitCode, Error> {
             args.consumer,
             Shape {
                 concurrency: args.concurrency,
+                batches: (args.handler == HandlerShape::Batch).then(|| {
+                    inbox::Batching::new(args.batch.max(1), Duration::from_millis(args.batch_wait))
+                }),
                 instances: 1,
                 stall_before_ack: args.stall_before_ack,
             },
@@ -796,6 +822,7 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, Error> {
         tokio::spawn(async move {
             let shape = Shape {
                 concurrency: 4,
+                batches: None,
                 instances: 2,
                 stall_before_ack: 0.0,
             };

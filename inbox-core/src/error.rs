@@ -191,6 +191,60 @@ impl From<sqlx::Error> for HandlerError {
     }
 }
 
+/// What a [`BatchHandler`](crate::BatchHandler) returns when it cannot handle its batch: a
+/// [`HandlerError`], and the message it is about when the handler knows.
+///
+/// The batch's transaction is rolled back either way. An error that names a message, or a
+/// permanent one, is the batch's to isolate: the consumer runs the messages before and after
+/// the named one (or the two halves) as batches of their own, down to single messages, and only
+/// a message that fails on its own uses up an attempt or is dead-lettered. A transient error
+/// that names none (a deadlock, a lost connection) retries the whole batch. `?` works on what
+/// converts into a [`HandlerError`].
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct BatchError {
+    #[source]
+    error: HandlerError,
+    message: Option<crate::id::MessageId>,
+}
+
+impl BatchError {
+    /// `error`, about the message `id` of the batch.
+    pub fn message(id: &crate::id::MessageId, error: impl Into<HandlerError>) -> Self {
+        Self {
+            error: error.into(),
+            message: Some(id.clone()),
+        }
+    }
+
+    /// The message the error is about, if the handler named one.
+    pub fn message_id(&self) -> Option<&crate::id::MessageId> {
+        self.message.as_ref()
+    }
+
+    /// Whether retrying can help.
+    pub fn kind(&self) -> ErrorKind {
+        self.error.kind()
+    }
+
+    /// The handler error.
+    pub fn into_handler_error(self) -> HandlerError {
+        self.error
+    }
+}
+
+impl<E> From<E> for BatchError
+where
+    HandlerError: From<E>,
+{
+    fn from(error: E) -> Self {
+        Self {
+            error: error.into(),
+            message: None,
+        }
+    }
+}
+
 /// Classified as the stores classify their own errors: a lost connection or a server going away
 /// is [`Unavailable`](StoreError::Unavailable), a deadlock or serialization failure a
 /// [`Conflict`](StoreError::Conflict), anything else permanent. For an application's own

@@ -32,10 +32,10 @@ pub use consumer::{
     default_dead_letter_destination,
 };
 pub use error::{
-    BoxError, ConsumerError, ErrorKind, HandlerError, InvalidName, StoreError, TransportError,
-    error_chain, redact_url,
+    BatchError, BoxError, ConsumerError, ErrorKind, HandlerError, InvalidName, StoreError,
+    TransportError, error_chain, redact_url,
 };
-pub use handler::Handler;
+pub use handler::{BatchHandler, Batched, Handler};
 pub use id::{
     ConsumerName, DEFAULT_ID_HEADER, IdStrategy, MAX_CONSUMER_NAME_BYTES, MAX_MESSAGE_ID_BYTES,
     MessageId,

@@ -38,6 +38,41 @@ pub use stores::TestDb;
 tokio::task_local! {
     /// Set by `conformance_suite!(…, batched)`: the scenarios' consumers run in batch mode.
     pub static BATCHED: bool;
+    /// Set by `conformance_suite!(…, whole_batches)`: in batch mode, the test handler handles
+    /// each batch in one call (a `BatchHandler`), not one message per savepoint.
+    pub static WHOLE_BATCHES: bool;
+}
+
+/// The suite macro's modes: batch mode, and whole batches (given alone: batch mode only).
+#[doc(hidden)]
+pub fn modes(modes: impl Into<Modes>) -> (bool, bool) {
+    let Modes(batched, whole) = modes.into();
+    (batched, whole)
+}
+
+#[doc(hidden)]
+pub struct Modes(bool, bool);
+
+impl From<bool> for Modes {
+    fn from(batched: bool) -> Self {
+        Modes(batched, false)
+    }
+}
+
+impl From<(bool, bool)> for Modes {
+    fn from((batched, whole): (bool, bool)) -> Self {
+        Modes(batched, whole)
+    }
+}
+
+/// Whether this scenario's consumers run in batch mode.
+pub fn batched() -> bool {
+    BATCHED.try_with(|b| *b).unwrap_or(false)
+}
+
+/// Whether this scenario's test handler is a batch handler (in batch mode).
+pub fn whole_batches() -> bool {
+    WHOLE_BATCHES.try_with(|w| *w).unwrap_or(false)
 }
 
 /// How long any scenario waits for a condition before it fails.
@@ -204,10 +239,17 @@ macro_rules! conformance_suite {
         $crate::conformance_suite!($module, $brokers, $db, batched = false);
     };
     ($module:ident, $brokers:expr, $db:expr, batched = $batched:expr) => {
+        $crate::conformance_suite!($module, $brokers, $db, batched = $batched, whole = false);
+    };
+    // Batch mode with a batch handler: each batch handled in one call.
+    ($module:ident, $brokers:expr, $db:expr, whole_batches) => {
+        $crate::conformance_suite!($module, $brokers, $db, batched = true, whole = true);
+    };
+    ($module:ident, $brokers:expr, $db:expr, batched = $batched:expr, whole = $whole:expr) => {
         mod $module {
             #[allow(unused_imports)]
             use super::*;
-            $crate::conformance_suite!(@tests $brokers, $db, $batched;
+            $crate::conformance_suite!(@tests $brokers, $db, ($batched, $whole);
                 exactly_once_under_duplicates,
                 crash_before_ack_leaves_one_effect,
                 killed_and_restarted,
@@ -238,8 +280,12 @@ macro_rules! conformance_suite {
             async fn $scenario() {
                 $crate::init_tracing();
                 let db = std::sync::Arc::new($db.await);
+                let (batched, whole): (bool, bool) = $crate::modes($batched);
                 $crate::BATCHED
-                    .scope($batched, $crate::$scenario(&$brokers, &db))
+                    .scope(
+                        batched,
+                        $crate::WHOLE_BATCHES.scope(whole, $crate::$scenario(&$brokers, &db)),
+                    )
                     .await;
             }
         )*

@@ -15,7 +15,7 @@ use inbox::{
 use tokio::task::JoinHandle;
 
 use crate::scenarios::reasons_by_id;
-use crate::{BATCHED, BrokerFactory, DEADLINE, TestBroker, TestDb, eventually};
+use crate::{BrokerFactory, DEADLINE, TestBroker, TestDb, eventually};
 
 /// An async hook run by the test handler before it writes the effect: (message id, call number).
 pub type Hook =
@@ -91,6 +91,30 @@ pub struct TestHandler<D: TestDb> {
     pub(crate) run: String,
     pub(crate) script: Arc<Script>,
     pub(crate) db: Arc<D>,
+    /// Handles batches in one call (`conformance_suite!(…, whole_batches)`).
+    pub(crate) whole: bool,
+}
+
+/// As a batch handler: the messages in order, through the same script; the first failure fails
+/// the batch — naming its message when it is transient, naming none when it is permanent (so
+/// that both the consumer's ways of isolating it are exercised).
+#[async_trait]
+impl<D: TestDb> inbox::BatchHandler<<D::Store as InboxStore>::Tx> for TestHandler<D> {
+    async fn handle_batch(
+        &self,
+        messages: &[Message<'_>],
+        tx: &mut <D::Store as InboxStore>::Tx,
+    ) -> Result<(), inbox::BatchError> {
+        for message in messages {
+            if let Err(e) = Handler::handle(self, message, tx).await {
+                return Err(match e.kind() {
+                    inbox::ErrorKind::Transient => inbox::BatchError::message(message.id, e),
+                    _ => e.into(),
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 #[async_trait]
@@ -148,6 +172,10 @@ impl<D: TestDb> Handler<<D::Store as InboxStore>::Tx> for TestHandler<D> {
             )));
         }
         Ok(())
+    }
+
+    fn as_batch_handler(&self) -> Option<&dyn inbox::BatchHandler<<D::Store as InboxStore>::Tx>> {
+        if self.whole { Some(self) } else { None }
     }
 }
 
@@ -210,6 +238,7 @@ impl<D: TestDb> Scenario<D> {
             run: self.run.clone(),
             script: Arc::clone(script),
             db: Arc::clone(&self.db),
+            whole: crate::whole_batches(),
         }
     }
 
@@ -220,11 +249,7 @@ impl<D: TestDb> Scenario<D> {
         name: &ConsumerName,
         script: &Arc<Script>,
     ) -> Consumer<D::Store, TestHandler<D>> {
-        let handler = TestHandler {
-            run: self.run.clone(),
-            script: Arc::clone(script),
-            db: Arc::clone(&self.db),
-        };
+        let handler = self.handler(script);
         let consumer = Consumer::new(
             name.clone(),
             self.source.clone(),
@@ -243,7 +268,7 @@ impl<D: TestDb> Scenario<D> {
             RetryPolicy::default()
                 .with_delays(Duration::from_millis(10), Duration::from_millis(200)),
         );
-        if BATCHED.try_with(|b| *b).unwrap_or(false) {
+        if crate::batched() {
             consumer.batch(inbox::Batching::new(16, Duration::from_millis(5)))
         } else {
             consumer

@@ -18,7 +18,7 @@ use crate::store::InboxStore;
 use crate::transport::Delivery;
 
 /// What a batch's transaction did with one of its messages.
-enum Fate {
+pub(super) enum Fate {
     /// Handled; committed with the batch.
     Handled,
     /// Done or dead-lettered before.
@@ -85,7 +85,11 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
             if entries.is_empty() {
                 return self.settle_one_by_one(later).await;
             }
-            let fates = match self.batch_transaction(&entries, &ids).await {
+            let fates = match self.handler.as_batch_handler() {
+                Some(handler) => self.whole_batches(handler, &entries).await,
+                None => self.batch_transaction(&entries, &ids).await,
+            };
+            let fates = match fates {
                 Ok(fates) => fates,
                 Err(e) => {
                     // The batch's transaction is gone (rolled back, or its commit's outcome is

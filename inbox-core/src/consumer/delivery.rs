@@ -48,7 +48,7 @@ impl From<HandlerError> for Failure {
     }
 }
 
-fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+pub(super) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
     panic
         .downcast_ref::<&str>()
         .map(|s| (*s).to_owned())

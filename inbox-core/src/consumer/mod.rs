@@ -27,6 +27,7 @@ mod settings;
 mod settle;
 mod store_retry;
 mod tally;
+mod whole;
 
 use std::ops::Deref;
 use std::sync::Arc;

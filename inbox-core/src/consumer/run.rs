@@ -49,15 +49,19 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
     }
 }
 
-impl<S: InboxStore, H> Inner<S, H> {
-    /// Batch mode's settings, capped by what the store can take in one transaction.
+impl<S: InboxStore, H: Handler<S::Tx>> Inner<S, H> {
+    /// Batch mode's settings, capped by what the store can take in one transaction (its
+    /// savepoints; a batch handler takes none).
     fn batching(&self) -> Option<Batching> {
+        let whole = self.handler.as_batch_handler().is_some();
         self.settings.batch.map(|b| match self.store.max_batch() {
-            Some(limit) if limit < b.max_size => Batching::new(limit, b.max_wait),
+            Some(limit) if limit < b.max_size && !whole => Batching::new(limit, b.max_wait),
             _ => b,
         })
     }
+}
 
+impl<S: InboxStore, H> Inner<S, H> {
     pub(super) fn dead_letter_destination(&self) -> String {
         match &self.settings.dead_letter_destination {
             Some(d) => d.clone(),

@@ -11,8 +11,7 @@ use inbox::memory::Faults;
 
 use super::faults_or_none;
 use crate::{
-    BATCHED, BrokerFactory, CrashBeforeFirstAck, Hook, Running, Scenario, Script, TestDb,
-    eventually,
+    BrokerFactory, CrashBeforeFirstAck, Hook, Running, Scenario, Script, TestDb, eventually,
 };
 
 /// Duplicates from the producer (and, where the broker injects them, duplicate publishes, lost
@@ -231,7 +230,7 @@ pub async fn shutdown_drains_in_flight<D: TestDb>(brokers: &dyn BrokerFactory, d
     let ordered = s.broker.transport().capabilities().ordered;
     let in_handler = if D::CONCURRENT_WRITERS { 3 } else { 1 };
     // In batch mode the deliveries of a batch are counted when it commits.
-    let batched = BATCHED.try_with(|b| *b).unwrap_or(false);
+    let batched = crate::batched();
     eventually("handlers in flight", || async {
         let (entered, taken) = (entered.load(Ordering::SeqCst), consumer.report().deliveries);
         let ready = if batched {

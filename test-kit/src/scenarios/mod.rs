@@ -5,11 +5,13 @@ mod delivery;
 mod failures;
 mod outbox;
 mod store;
+mod whole;
 
 pub use delivery::*;
 pub use failures::*;
 pub use outbox::*;
 pub use store::*;
+pub use whole::*;
 
 use std::collections::HashMap;
 

@@ -11,9 +11,7 @@ use inbox::{Consumer, ConsumerName, InboxAdmin, InboxStore, RetryPolicy};
 
 use super::reasons_by_id;
 use crate::flaky;
-use crate::{
-    BATCHED, BrokerFactory, Running, Scenario, Script, TestDb, TestHandler, eventually, refusing,
-};
+use crate::{BrokerFactory, Running, Scenario, Script, TestDb, eventually, refusing};
 
 /// The operator's replay: dead letters are read back from the dead-letter destination, the dead
 /// mark is cleared and the message published to its source again, and then it is handled once —
@@ -133,12 +131,16 @@ pub async fn dead_letters_are_replayed<D: TestDb>(brokers: &dyn BrokerFactory, d
     running.stop().await;
     running_other.stop().await;
     s.assert_exactly_once(&[&name, &other], &ids).await;
-    assert_eq!(
-        script.calls(&a),
-        2,
-        "refused once, handled once after the replay"
+    // A batch handler may also meet a message in batches that a batch-mate's failure rolled
+    // back: more calls, the same one effect.
+    let calls = |id: &str| script.calls(id);
+    let expected = |n: u32| n == 2 || (crate::whole_batches() && n > 2);
+    assert!(
+        expected(calls(&a)),
+        "refused once, handled once after the replay: {} calls",
+        calls(&a)
     );
-    assert_eq!(script.calls(&b), 2);
+    assert!(expected(calls(&b)), "{} calls", calls(&b));
     let stats = s.store.stats(Some(&name)).await.unwrap();
     // Processed rows were cleaned up before b's replay: b's is the one left.
     assert_eq!((stats[0].processed, stats[0].dead), (1, 0), "{stats:?}");
@@ -158,11 +160,7 @@ pub async fn store_outage_pauses_deliveries<D: TestDb>(brokers: &dyn BrokerFacto
     let name = s.name("outage");
     s.broker.prepare(&s.source, &[&name]).await;
     let store = FlakyStore::new(s.store.clone());
-    let handler = TestHandler {
-        run: s.run.clone(),
-        script: Arc::new(Script::default()),
-        db: Arc::clone(&s.db),
-    };
+    let handler = s.handler(&Arc::new(Script::default()));
     let (min_delay, max_delay) = (Duration::from_millis(10), Duration::from_millis(200));
     let concurrency = 4;
     let consumer = Consumer::new(
@@ -358,7 +356,7 @@ pub async fn store_faults_neither_wedge_nor_stop<D: TestDb>(
     .reconnect_backoff(
         RetryPolicy::default().with_delays(Duration::from_millis(10), Duration::from_millis(200)),
     );
-    let consumer = if BATCHED.try_with(|b| *b).unwrap_or(false) {
+    let consumer = if crate::batched() {
         consumer.batch(inbox::Batching::new(16, Duration::from_millis(5)))
     } else {
         consumer
