@@ -97,15 +97,3 @@ async fn hostile_input_from_another_client() {
     .await;
     demo.stop().await;
 }
-
-/// A batch handler's failures isolated by splitting (see the scenario).
-mod whole_batch_splitting {
-    use super::*;
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn on_postgres() {
-        conformance::init_tracing();
-        let db = std::sync::Arc::new(async { conformance::stores::Postgres }.await);
-        conformance::whole_batches_isolate_the_failing_message(&Kafka { ordered: true }, &db).await;
-    }
-}

@@ -227,6 +227,85 @@ async fn an_ack_after_the_connection_died_is_reported_lost() {
     redelivered.nack(false).await.unwrap();
 }
 
+/// The demo's consumers with their batch handlers (`consume --handler batch`: one multi-row
+/// INSERT per batch; the carrier's flaky first attempts fail a batch naming their message, which
+/// is isolated) handle every event once, copies discarded, and drain on SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demos_batch_handlers_handle_each_event_once() {
+    use conformance::demo::DemoConsumer;
+    use inbox::rabbitmq::RabbitMqTransport;
+
+    let source = format!("parcels-{}", uuid::Uuid::new_v4().simple());
+    let amqp = conformance::services::amqp_url();
+    let env = [("AMQP_URL", amqp.clone())];
+    let demo = DemoConsumer::start_with(
+        "rabbitmq",
+        &source,
+        &env,
+        &["--handler", "batch", "--batch", "50", "--batch-wait", "20"],
+    )
+    .await;
+    let transport = RabbitMqTransport::connect(amqp, Default::default())
+        .await
+        .unwrap();
+    eventually("the demo declared its queues", || async {
+        for consumer in ["notification", "carrier-assignment"] {
+            transport
+                .ready(&source, consumer)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    })
+    .await;
+    let events = 400;
+    let publish = conformance::demo::spawn(
+        &[
+            "publish",
+            "--transport",
+            "rabbitmq",
+            "--source",
+            &source,
+            "--count",
+            &events.to_string(),
+            "--duplicates",
+            "0.1",
+        ],
+        &env,
+        "warn",
+    );
+    let output = publish.wait_with_output().await.unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(output.status.success(), "{stdout}");
+    let published: u64 = stdout
+        .split_whitespace()
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("published N messages: {stdout}"));
+    demo.wait_for_effects(events).await;
+    // Ready and unacknowledged (the demo's own in-flight copies), as the broker counts them.
+    eventually("the copies settled", || async {
+        let listed = tokio::process::Command::new("rabbitmqadmin")
+            .args(["-f", "tsv", "-q", "list", "queues", "name", "messages"])
+            .output()
+            .await
+            .map_err(|e| e.to_string())?;
+        let left: u64 = String::from_utf8_lossy(&listed.stdout)
+            .lines()
+            .filter(|line| line.starts_with(&format!("{source}.")))
+            .filter_map(|line| line.split('\t').nth(1)?.parse::<u64>().ok())
+            .sum();
+        if listed.status.success() && left == 0 {
+            Ok(())
+        } else {
+            Err(format!("{left} in the queues"))
+        }
+    })
+    .await;
+    demo.stop_exactly_once(events as u64, published - events as u64)
+        .await;
+}
+
 /// The demo's consumers, as a separate process, handle messages that `rabbitmqadmin` (not our
 /// code) published — duplicates included — exactly once, and drain on SIGTERM.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

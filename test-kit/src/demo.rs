@@ -38,8 +38,18 @@ pub struct DemoConsumer {
 impl DemoConsumer {
     /// Starts consuming `source` (both consumers) over `transport`, with `env` for the broker.
     pub async fn start(transport: &str, source: &str, env: &[(&str, String)]) -> Self {
+        Self::start_with(transport, source, env, &[]).await
+    }
+
+    /// The same, with more arguments for `consume` (`--handler batch`, say).
+    pub async fn start_with(
+        transport: &str,
+        source: &str,
+        env: &[(&str, String)],
+        extra: &[&str],
+    ) -> Self {
         let database = Postgres::fresh_url().await;
-        let child = spawn_consume(transport, &database, source, &[], env, "warn");
+        let child = spawn_consume(transport, &database, source, extra, env, "warn");
         let pool = sqlx::PgPool::connect(&database)
             .await
             .expect("the demo's database");

@@ -56,14 +56,17 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
         entries: &[(Box<dyn Delivery>, MessageId)],
     ) -> Result<Vec<Fate>, StoreError> {
         let mut fates: Vec<Option<Fate>> = entries.iter().map(|_| None).collect();
+        let ordered = self.transport.capabilities().ordered;
         // Keys with a message that waits (ordered transports): their later messages wait too.
         let mut waiting: HashSet<String> = HashSet::new();
         let mut parts: VecDeque<Range<usize>> = VecDeque::new();
         parts.push_back(0..entries.len());
         while let Some(part) = parts.pop_front() {
-            if part.len() == 1 {
+            if part.len() == 1 && !ordered {
                 // Split down to one message: the per-message way handles it (a batch of one
-                // through the same handler), and counts an attempt if it fails on its own.
+                // through the same handler), and counts an attempt if it fails on its own. On an
+                // ordered transport it is tried here first, in a transaction of its own, so that
+                // an innocent one does not hold back the rest of its partition.
                 fates[part.start] = Some(Fate::Later);
                 waiting.extend(self.key_of(&*entries[part.start].0));
                 continue;

@@ -24,7 +24,7 @@ struct Picky<D: TestDb> {
     /// Fails transiently the first time it is reached, naming itself.
     flaky: String,
     flaky_failed: AtomicBool,
-    /// The first call fails as a whole, transiently (a deadlock).
+    /// The first call with more than one message fails as a whole, transiently (a deadlock).
     deadlock: AtomicBool,
     /// The ids of each call, in order.
     calls: Mutex<Vec<Vec<String>>>,
@@ -39,7 +39,7 @@ impl<D: TestDb> BatchHandler<<D::Store as InboxStore>::Tx> for Picky<D> {
     ) -> Result<(), BatchError> {
         let ids: Vec<String> = messages.iter().map(|m| m.id.to_string()).collect();
         self.calls.lock().unwrap().push(ids);
-        if self.deadlock.swap(false, Ordering::SeqCst) {
+        if messages.len() > 1 && self.deadlock.swap(false, Ordering::SeqCst) {
             return Err(HandlerError::transient("deadlock detected").into());
         }
         for message in messages {
@@ -64,7 +64,8 @@ impl<D: TestDb> BatchHandler<<D::Store as InboxStore>::Tx> for Picky<D> {
 /// Sixteen messages in one batch: the first call deadlocks (the whole batch is tried again), one
 /// message can never succeed (no name: found by halving) and one fails once (named: run alone).
 /// Every other message is handled once and commits without a failed attempt; the poison is
-/// dead-lettered after one attempt of its own; the flaky one succeeds alone.
+/// dead-lettered after one attempt of its own; the flaky one succeeds alone (on an ordered
+/// transport it waits behind the poison, and its failure there, alone, is an attempt).
 pub async fn whole_batches_isolate_the_failing_message<D: TestDb>(
     brokers: &dyn BrokerFactory,
     db: &Arc<D>,
@@ -73,9 +74,6 @@ pub async fn whole_batches_isolate_the_failing_message<D: TestDb>(
     let name = s.name("whole");
     s.broker.prepare(&s.source, &[&name]).await;
     let ids: Vec<String> = (0..16).map(|i| s.id(i)).collect();
-    for (i, id) in ids.iter().enumerate() {
-        s.publish(id, i).await;
-    }
     let handler = Arc::new(Picky {
         db: Arc::clone(db),
         run: s.run.clone(),
@@ -99,12 +97,20 @@ pub async fn whole_batches_isolate_the_failing_message<D: TestDb>(
             .with_max_attempts(3)
             .with_delays(Duration::from_millis(5), Duration::from_millis(20)),
     );
+    // Running first, so that the sixteen arrive together as fresh deliveries (on Kafka the first
+    // record of a partition after an assignment may be a redelivery, which is never batched).
     let running = Running::start(&consumer, 1);
+    let warm_up = s.id(100);
+    s.publish(&warm_up, 100).await;
+    s.wait_for(&[&name], 1).await;
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+    }
     eventually("the poison dead, the rest handled", || async {
         let poison = s.db.row(&s.store, &name, &ids[5]).await;
         let handled = s.effects().await.len();
         match poison {
-            Some(row) if row.dead && handled == 15 => Ok(()),
+            Some(row) if row.dead && handled == 16 => Ok(()),
             other => Err(format!("{handled} handled; poison {other:?}")),
         }
     })
@@ -119,8 +125,11 @@ pub async fn whole_batches_isolate_the_failing_message<D: TestDb>(
             continue;
         }
         assert!(row.processed, "{id}: {row:?}");
-        assert_eq!(
-            row.attempts, 0,
+        // The flaky one is reached first alone where it waits behind the poison (an ordered
+        // transport's partition); then its one failure is an attempt.
+        let allowed = if i == 9 { 1 } else { 0 };
+        assert!(
+            row.attempts <= allowed,
             "{id} never failed on its own, so no attempt is counted: {row:?}"
         );
         assert_eq!(
@@ -132,13 +141,21 @@ pub async fn whole_batches_isolate_the_failing_message<D: TestDb>(
     let poison = s.db.row(&s.store, &name, &ids[5]).await.unwrap();
     assert!(poison.attempts <= 1, "{poison:?}");
     let calls = handler.calls.lock().unwrap().clone();
-    assert!(calls.len() >= 2, "{calls:?}");
-    assert_eq!(calls[0].len(), 16, "one batch of all sixteen: {calls:?}");
-    assert_eq!(calls[1], calls[0], "the deadlocked batch tried again whole");
+    // (Where a transport marks the first record of a partition as a possible redelivery —
+    // Kafka — that one goes the per-message way, a call of its own, before its batch.)
+    let first = calls
+        .iter()
+        .position(|c| c.len() > 1)
+        .unwrap_or_else(|| panic!("a batch: {calls:?}"));
+    assert_eq!(
+        calls.get(first + 1),
+        Some(&calls[first]),
+        "the deadlocked batch tried again whole: {calls:?}"
+    );
     assert!(
-        calls[2..]
+        calls[first + 2..]
             .iter()
-            .any(|c| c.len() >= 4 && !c.contains(&ids[5]) && !c.contains(&ids[9])),
+            .any(|c| c.len() >= 2 && !c.contains(&ids[5]) && !c.contains(&ids[9])),
         "batch-mates committed in batches of their own, not one by one: {calls:?}"
     );
     let alone = |id: &str| calls.iter().any(|c| c.len() == 1 && c[0] == id);
