@@ -115,9 +115,10 @@ struct ConsumeArgs {
     /// each batch's rows written in one statement.
     #[arg(long, value_enum, default_value = "per-message")]
     handler: HandlerShape,
-    /// With `--handler batch`: the most messages in a batch.
-    #[arg(long, default_value_t = 100)]
-    batch: usize,
+    /// With `--handler batch`: the most messages in a batch (at most 1,000: the batch forms
+    /// bind four parameters a row, and SQLite takes 32,766 a statement).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u16).range(1..=1000))]
+    batch: u16,
     /// With `--handler batch`: how long a batch waits to fill, in milliseconds.
     #[arg(long, default_value_t = 5)]
     batch_wait: u64,
@@ -661,7 +662,10 @@ async fn consume(args: ConsumeArgs) -> Result<ExitCode, Error> {
             Shape {
                 concurrency: args.concurrency,
                 batches: (args.handler == HandlerShape::Batch).then(|| {
-                    inbox::Batching::new(args.batch.max(1), Duration::from_millis(args.batch_wait))
+                    inbox::Batching::new(
+                        usize::from(args.batch),
+                        Duration::from_millis(args.batch_wait),
+                    )
                 }),
                 instances: 1,
                 stall_before_ack: args.stall_before_ack,

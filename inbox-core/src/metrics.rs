@@ -21,6 +21,9 @@ pub const DEAD_LETTERED: &str = "inbox_dead_lettered_total";
 /// Batches whose transaction failed as a whole, so that their messages were handled one by one
 /// (batch mode). Steadily above zero means batches buy nothing: look at the logs for why.
 pub const BATCH_FALLBACKS: &str = "inbox_batch_fallbacks_total";
+/// Batches a batch handler failed that were split to isolate the failing message. Steadily
+/// above zero means most batches hold a message that fails: look at the logs for why.
+pub const BATCH_SPLITS: &str = "inbox_batch_splits_total";
 /// Rows in the inbox table (gauge, sampled by a running consumer; see
 /// `Consumer::sample_stats_every`).
 pub const ROWS: &str = "inbox_rows";
@@ -41,6 +44,7 @@ pub(crate) struct Metrics {
     retried: Counter,
     dead_lettered: Counter,
     batch_fallbacks: Counter,
+    batch_splits: Counter,
     claim_seconds: Histogram,
     handle_seconds: Histogram,
     rows: Gauge,
@@ -60,6 +64,7 @@ impl Metrics {
             retried: counter!(RETRIED, &labels),
             dead_lettered: counter!(DEAD_LETTERED, &labels),
             batch_fallbacks: counter!(BATCH_FALLBACKS, &labels),
+            batch_splits: counter!(BATCH_SPLITS, &labels),
             claim_seconds: histogram!(CLAIM_SECONDS, &labels),
             handle_seconds: histogram!(HANDLE_SECONDS, &labels),
             rows: gauge!(ROWS, &labels),
@@ -84,6 +89,9 @@ impl Metrics {
     }
     pub(crate) fn batch_fallback(&self) {
         self.batch_fallbacks.increment(1);
+    }
+    pub(crate) fn batch_split(&self) {
+        self.batch_splits.increment(1);
     }
 
     pub(crate) fn rows(&self, rows: u64, dead: u64) {

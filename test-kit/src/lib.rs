@@ -70,6 +70,12 @@ pub fn batched() -> bool {
     BATCHED.try_with(|b| *b).unwrap_or(false)
 }
 
+/// The most calls more than per message a batch handler may make with one message in the
+/// suite's batches of 16: the failing batch and its two whole retries, then up to four
+/// halvings before the message is alone — and once more, in the few scenarios that run it
+/// again after a fallback.
+pub const WHOLE_BATCH_EXTRA_CALLS: u32 = 8;
+
 /// Whether this scenario's test handler is a batch handler (in batch mode).
 pub fn whole_batches() -> bool {
     WHOLE_BATCHES.try_with(|w| *w).unwrap_or(false)

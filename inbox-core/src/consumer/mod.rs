@@ -243,6 +243,11 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
     /// costing the others. On an ordered transport, later messages of its key wait for it, and
     /// batches run one at a time. `concurrency` becomes batches in flight; the default prefetch
     /// becomes enough for them.
+    ///
+    /// With a batch handler (a handler whose [`Handler::as_batch_handler`] is `Some`, such as
+    /// [`Batched`](crate::Batched)) each batch is handled in one call with no savepoints and no
+    /// store cap; see [`BatchError`](crate::BatchError) for how a failing message is isolated.
+    /// A wrapper handler must forward `as_batch_handler`, or its batches take the savepoint way.
     pub fn batch(mut self, batching: Batching) -> Self {
         self.settings_mut().batch = Some(batching);
         self

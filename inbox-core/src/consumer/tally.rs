@@ -26,6 +26,9 @@ pub struct ConsumerReport {
     /// Batches whose transaction failed as a whole, so that their messages were handled one by
     /// one (batch mode).
     pub batch_fallbacks: u64,
+    /// Batches a batch handler failed that were split to isolate the failing message (batch
+    /// mode with a [`BatchHandler`](crate::BatchHandler)).
+    pub batch_splits: u64,
 }
 
 /// One thing that happened to a delivery.
@@ -49,6 +52,8 @@ pub(super) enum Event {
     AckLost,
     /// A batch's transaction failed and its messages went one by one.
     BatchFallback,
+    /// A batch handler's batch failed and was split.
+    BatchSplit,
 }
 
 /// The consumer's counters, behind [`ConsumerReport`].
@@ -62,6 +67,7 @@ pub(super) struct Counters {
     requeued: AtomicU64,
     ack_failures: AtomicU64,
     batch_fallbacks: AtomicU64,
+    batch_splits: AtomicU64,
 }
 
 impl Counters {
@@ -95,6 +101,10 @@ impl Counters {
                 metrics.batch_fallback();
                 &self.batch_fallbacks
             }
+            Event::BatchSplit => {
+                metrics.batch_split();
+                &self.batch_splits
+            }
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }
@@ -110,6 +120,7 @@ impl Counters {
             requeued: get(&self.requeued),
             ack_failures: get(&self.ack_failures),
             batch_fallbacks: get(&self.batch_fallbacks),
+            batch_splits: get(&self.batch_splits),
         }
     }
 }

@@ -1,11 +1,13 @@
 //! Batch mode with a [`BatchHandler`]: the claimed messages handled in one call, in one
 //! transaction with no savepoints. A batch that fails is rolled back; a failure the batch owns (a
-//! permanent error, or one naming a message) is isolated by running the parts before and after
-//! the named message — or the two halves — as batches of their own, down to single messages; a
-//! single message goes the per-message way (a batch of one, through the same handler), which
-//! counts its attempt if it fails, retries it or dead-letters it. Its batch-mates never use up an attempt. A transient error that names no
-//! message (a deadlock, a lost connection) is the infrastructure's: the whole batch is tried
-//! again after a pause, a few times, then its messages go the per-message way.
+//! permanent error, one naming a message, a panic, the handler timeout) is isolated by running
+//! the parts before and after the named message — or the two halves — as batches of their own,
+//! down to single messages. A single message goes the per-message way (a batch of one, through
+//! the same handler), which counts its attempt if it fails, retries it or dead-letters it; on an
+//! ordered transport it is tried alone first, so that an innocent one does not hold back its
+//! partition. Its batch-mates never use up an attempt. A transient error that names no message
+//! (a deadlock, a lost connection) is the infrastructure's: the whole batch is tried again after
+//! a pause, twice, then its messages go the per-message way.
 
 use std::collections::{HashSet, VecDeque};
 use std::ops::Range;
@@ -42,7 +44,8 @@ struct BatchFailure {
     named: Option<usize>,
     /// The database was unreachable.
     store_down: bool,
-    /// The handler panicked: likely the data's fault, so isolated like a permanent error.
+    /// The handler panicked or timed out: likely one message's doing, so isolated like a
+    /// permanent error.
     panicked: bool,
 }
 
@@ -216,6 +219,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
                 return Ok(one_by_one(settled));
             }
             tracing::debug!(error = %failure.reason, size = handle.len(), named = named.map(|n| entries[n].1.as_str()), "batch failed; isolating the failing message");
+            self.count(super::tally::Event::BatchSplit);
             return Ok(Ended::Split(split(part, named)));
         }
     }
@@ -254,10 +258,17 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
                     ),
                 )
             }),
-            None => Err(failure(
-                ErrorKind::Transient,
-                "batch handler timed out".to_owned(),
-            )),
+            // Likely one message that hangs: isolated like a panic, not retried whole.
+            None => Err(BatchFailure {
+                panicked: true,
+                ..failure(
+                    ErrorKind::Transient,
+                    format!(
+                        "batch handler timed out after {:?}",
+                        self.settings.handler_timeout.unwrap_or_default()
+                    ),
+                )
+            }),
         }
     }
 

@@ -116,6 +116,8 @@ pub async fn whole_batches_isolate_the_failing_message<D: TestDb>(
     })
     .await;
     running.stop().await;
+    let report = consumer.report();
+    assert!(report.batch_splits >= 1, "splits are counted: {report:?}");
     let effects = s.effects().await;
     for (i, id) in ids.iter().enumerate() {
         let row = s.db.row(&s.store, &name, id).await.expect("an inbox row");
