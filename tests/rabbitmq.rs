@@ -227,6 +227,20 @@ async fn an_ack_after_the_connection_died_is_reported_lost() {
     redelivered.nack(false).await.unwrap();
 }
 
+/// Waits until the demo's consumers declared their queues on `source`.
+async fn demo_queues_declared(transport: &inbox::rabbitmq::RabbitMqTransport, source: &str) {
+    eventually("the demo declared its queues", || async {
+        for consumer in ["notification", "carrier-assignment"] {
+            transport
+                .ready(source, consumer)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    })
+    .await;
+}
+
 /// The demo's consumers with their batch handlers (`consume --handler batch`: one multi-row
 /// INSERT per batch; the carrier's flaky first attempts fail a batch naming their message, which
 /// is isolated) handle every event once, copies discarded, and drain on SIGTERM.
@@ -248,16 +262,7 @@ async fn the_demos_batch_handlers_handle_each_event_once() {
     let transport = RabbitMqTransport::connect(amqp, Default::default())
         .await
         .unwrap();
-    eventually("the demo declared its queues", || async {
-        for consumer in ["notification", "carrier-assignment"] {
-            transport
-                .ready(&source, consumer)
-                .await
-                .map_err(|e| e.to_string())?;
-        }
-        Ok(())
-    })
-    .await;
+    demo_queues_declared(&transport, &source).await;
     let events = 400;
     let publish = conformance::demo::spawn(
         &[
@@ -319,16 +324,7 @@ async fn another_clients_messages_are_handled_once_by_the_demo() {
     let transport = RabbitMqTransport::connect(amqp, Default::default())
         .await
         .unwrap();
-    eventually("the demo declared its queues", || async {
-        for consumer in ["notification", "carrier-assignment"] {
-            transport
-                .ready(&source, consumer)
-                .await
-                .map_err(|e| e.to_string())?;
-        }
-        Ok(())
-    })
-    .await;
+    demo_queues_declared(&transport, &source).await;
 
     let (events, duplicated) = (20, 5);
     for n in 0..events {

@@ -115,6 +115,20 @@ fn insert_rows(head: &str, columns: usize, rows: usize, dialect: Dialect) -> Str
     out
 }
 
+/// Inserts `$rows` (four `String`s each) with `$head` in one statement through `$tx`.
+macro_rules! insert_all {
+    ($tx:expr, $head:expr, $rows:expr, $dialect:expr) => {{
+        let rows: Vec<[String; 4]> = $rows;
+        let statement = insert_rows($head, 4, rows.len(), $dialect);
+        let mut query = sqlx::query(&statement);
+        for value in rows.into_iter().flatten() {
+            query = query.bind(value);
+        }
+        query.execute(&mut **$tx).await?;
+        Ok(())
+    }};
+}
+
 /// Each message's event; a message whose payload does not decode fails the batch, naming it.
 fn events(messages: &[Message<'_>]) -> Result<Vec<ParcelCreatedEvent>, BatchError> {
     messages
@@ -244,26 +258,27 @@ macro_rules! batch_handlers_for {
                 messages: &[Message<'_>],
                 tx: &mut $tx,
             ) -> Result<(), BatchError> {
-                let events = events(messages)?;
-                let statement = insert_rows(
-                    "INSERT INTO notifications (id, parcel_id, tracking_number, text)",
-                    4,
-                    events.len(),
-                    $dialect,
-                );
-                let mut query = sqlx::query(&statement);
-                for event in &events {
-                    query = query
-                        .bind(uuid::Uuid::new_v4().to_string())
-                        .bind(event.parcel_id.to_string())
-                        .bind(event.tracking_number.clone())
-                        .bind(format!(
+                let rows = events(messages)?
+                    .into_iter()
+                    .map(|event| {
+                        let text = format!(
                             "Your parcel {} is on its way to {}",
                             event.tracking_number, event.destination
-                        ));
-                }
-                query.execute(&mut **tx).await?;
-                Ok(())
+                        );
+                        [
+                            uuid::Uuid::new_v4().to_string(),
+                            event.parcel_id.to_string(),
+                            event.tracking_number,
+                            text,
+                        ]
+                    })
+                    .collect();
+                insert_all!(
+                    tx,
+                    "INSERT INTO notifications (id, parcel_id, tracking_number, text)",
+                    rows,
+                    $dialect
+                )
             }
         }
 
@@ -283,22 +298,23 @@ macro_rules! batch_handlers_for {
                         ));
                     }
                 }
-                let statement = insert_rows(
+                let rows = events
+                    .iter()
+                    .map(|event| {
+                        [
+                            uuid::Uuid::new_v4().to_string(),
+                            event.parcel_id.to_string(),
+                            carrier_for(event).to_owned(),
+                            event.destination.clone(),
+                        ]
+                    })
+                    .collect();
+                insert_all!(
+                    tx,
                     "INSERT INTO carrier_bookings (id, parcel_id, carrier, destination)",
-                    4,
-                    events.len(),
-                    $dialect,
-                );
-                let mut query = sqlx::query(&statement);
-                for event in &events {
-                    query = query
-                        .bind(uuid::Uuid::new_v4().to_string())
-                        .bind(event.parcel_id.to_string())
-                        .bind(carrier_for(event))
-                        .bind(event.destination.clone());
-                }
-                query.execute(&mut **tx).await?;
-                Ok(())
+                    rows,
+                    $dialect
+                )
             }
         }
     };

@@ -48,7 +48,7 @@ impl From<HandlerError> for Failure {
     }
 }
 
-pub(super) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
     panic
         .downcast_ref::<&str>()
         .map(|s| (*s).to_owned())
@@ -331,6 +331,45 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
         }
     }
 
+    /// The message `delivery` carries, as the handler sees it.
+    pub(super) fn message<'a>(
+        &'a self,
+        id: &'a MessageId,
+        delivery: &'a dyn Delivery,
+        attempt: u32,
+    ) -> Message<'a> {
+        Message {
+            id,
+            consumer: &self.name,
+            source: &self.source,
+            payload: delivery.payload(),
+            headers: delivery.headers(),
+            attempt,
+            redelivered: delivery.redelivered(),
+        }
+    }
+
+    /// Runs `handler`, timed, under the handler timeout, with panics caught.
+    pub(super) async fn guarded<T>(
+        &self,
+        handler: impl std::future::Future<Output = T>,
+    ) -> Guarded<T> {
+        let handled = AssertUnwindSafe(handler).catch_unwind();
+        let handled = self.metrics.time_handle(async {
+            match self.settings.handler_timeout {
+                Some(limit) => tokio::time::timeout(limit, handled)
+                    .await
+                    .map_err(|_| limit),
+                None => Ok(handled.await),
+            }
+        });
+        match handled.await {
+            Ok(Ok(out)) => Guarded::Returned(out),
+            Ok(Err(panic)) => Guarded::Panicked(panic_text(&*panic)),
+            Err(limit) => Guarded::TimedOut(limit),
+        }
+    }
+
     /// Runs the handler on the message in `tx`, timed, under the handler timeout, with panics
     /// caught.
     pub(super) async fn run_handler(
@@ -340,31 +379,24 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
         attempt: u32,
         tx: &mut S::Tx,
     ) -> Result<(), Failure> {
-        let message = Message {
-            id,
-            consumer: &self.name,
-            source: &self.source,
-            payload: delivery.payload(),
-            headers: delivery.headers(),
-            attempt,
-            redelivered: delivery.redelivered(),
-        };
-        let handled = AssertUnwindSafe(self.handler.handle(&message, tx)).catch_unwind();
-        let handled = self.metrics.time_handle(async {
-            match self.settings.handler_timeout {
-                Some(limit) => tokio::time::timeout(limit, handled)
-                    .await
-                    .map_err(|_| Failure::transient(format!("handler timed out after {limit:?}"))),
-                None => Ok(handled.await),
-            }
-        });
-        match handled.await? {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(e.into()),
-            Err(panic) => Err(Failure::transient(format!(
-                "handler panicked: {}",
-                panic_text(&*panic)
+        let message = self.message(id, delivery, attempt);
+        match self.guarded(self.handler.handle(&message, tx)).await {
+            Guarded::Returned(Ok(())) => Ok(()),
+            Guarded::Returned(Err(e)) => Err(e.into()),
+            Guarded::Panicked(text) => Err(Failure::transient(format!("handler panicked: {text}"))),
+            Guarded::TimedOut(limit) => Err(Failure::transient(format!(
+                "handler timed out after {limit:?}"
             ))),
         }
     }
+}
+
+/// How a guarded handler call ended.
+pub(super) enum Guarded<T> {
+    /// It returned.
+    Returned(T),
+    /// It panicked, with this text.
+    Panicked(String),
+    /// It ran past the handler timeout.
+    TimedOut(std::time::Duration),
 }

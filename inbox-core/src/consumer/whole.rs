@@ -11,13 +11,11 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::ops::Range;
-use std::panic::AssertUnwindSafe;
-
-use futures::FutureExt;
 
 use super::Run;
 use super::batch::Fate;
 use super::decision::{self, Facts, OnClaim};
+use super::delivery::Guarded;
 use crate::error::{BatchError, ErrorKind, StoreError, error_chain, store_unavailable};
 use crate::handler::{BatchHandler, Handler};
 use crate::id::MessageId;
@@ -161,18 +159,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
             }
             let messages: Vec<Message<'_>> = handle
                 .iter()
-                .map(|&(i, attempt)| {
-                    let (delivery, id) = &entries[i];
-                    Message {
-                        id,
-                        consumer: &self.name,
-                        source: &self.source,
-                        payload: delivery.payload(),
-                        headers: delivery.headers(),
-                        attempt,
-                        redelivered: delivery.redelivered(),
-                    }
-                })
+                .map(|&(i, attempt)| self.message(&entries[i].1, &*entries[i].0, attempt))
                 .collect();
             let result = self.call_batch(handler, &messages, &mut tx).await;
             let failure = match result {
@@ -231,44 +218,21 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
         messages: &[Message<'_>],
         tx: &mut S::Tx,
     ) -> Result<(), BatchFailure> {
-        let handled = AssertUnwindSafe(handler.handle_batch(messages, tx)).catch_unwind();
-        let handled = self.metrics.time_handle(async {
-            match self.settings.handler_timeout {
-                Some(limit) => tokio::time::timeout(limit, handled).await.ok(),
-                None => Some(handled.await),
-            }
-        });
-        let failure = |kind, reason: String| BatchFailure {
-            kind,
+        // A panic, or the timeout (likely one message that hangs): isolated, not retried whole.
+        let isolate = |reason: String| BatchFailure {
+            kind: ErrorKind::Transient,
             reason,
             named: None,
             store_down: false,
-            panicked: false,
+            panicked: true,
         };
-        match handled.await {
-            Some(Ok(Ok(()))) => Ok(()),
-            Some(Ok(Err(e))) => Err(self.batch_failure(messages, e)),
-            Some(Err(panic)) => Err(BatchFailure {
-                panicked: true,
-                ..failure(
-                    ErrorKind::Transient,
-                    format!(
-                        "batch handler panicked: {}",
-                        super::delivery::panic_text(&*panic)
-                    ),
-                )
-            }),
-            // Likely one message that hangs: isolated like a panic, not retried whole.
-            None => Err(BatchFailure {
-                panicked: true,
-                ..failure(
-                    ErrorKind::Transient,
-                    format!(
-                        "batch handler timed out after {:?}",
-                        self.settings.handler_timeout.unwrap_or_default()
-                    ),
-                )
-            }),
+        match self.guarded(handler.handle_batch(messages, tx)).await {
+            Guarded::Returned(Ok(())) => Ok(()),
+            Guarded::Returned(Err(e)) => Err(self.batch_failure(messages, e)),
+            Guarded::Panicked(text) => Err(isolate(format!("batch handler panicked: {text}"))),
+            Guarded::TimedOut(limit) => {
+                Err(isolate(format!("batch handler timed out after {limit:?}")))
+            }
         }
     }
 
