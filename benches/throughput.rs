@@ -20,6 +20,9 @@
 //! - the producer's own write rate (a parcel row per transaction, `--concurrency` writers) with
 //!   its outbox row and without.
 //!
+//! And, with `--cleanup ROWS` instead of the rest, the claims' latency before and during a
+//! retention cleanup of ROWS old rows, paced and unpaced (issue 17).
+//!
 //! `cargo bench --bench throughput --all-features -- [--transport memory|rabbitmq|kafka|all]
 //! [--messages N] [--concurrency C] [--outbox-rate R] [--json FILE]`
 //!
@@ -106,6 +109,28 @@ struct Args {
     /// (rows `mysql_per_message`, `mysql_batch`; a database of its own is created on it).
     #[arg(long, env = "MYSQL_URL", hide_env_values = true)]
     mysql: Option<String>,
+    /// Instead of the comparison: retention cleanup of this many old rows while a consumer
+    /// claims new messages at `--cleanup-claim-rate` (memory transport), with the claims' latency
+    /// before and during the cleanup (rows `cleanup_before`, `cleanup_during`; and
+    /// `cleanup_during_unpaced` for the same cleanup unpaced).
+    #[arg(long, value_name = "ROWS")]
+    cleanup: Option<u64>,
+    /// Seconds the claims are measured before each cleanup.
+    #[arg(long, default_value_t = 5.0)]
+    cleanup_before_seconds: f64,
+    /// Messages per second the consumer gets in the cleanup modes.
+    #[arg(long, default_value_t = 1000)]
+    cleanup_claim_rate: u64,
+    /// The paced cleanup's rest, as a multiple of each batch's duration (the library's default:
+    /// 4).
+    #[arg(long, default_value_t = 4.0)]
+    cleanup_rest: f64,
+    /// The paced cleanup's batch time in milliseconds (the library's default: 20).
+    #[arg(long, default_value_t = 20)]
+    cleanup_batch_ms: u64,
+    /// The PostgreSQL store claims in a round trip of its own, not with the `BEGIN` (to compare).
+    #[arg(long)]
+    claim_apart: bool,
     /// cargo bench passes this; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -586,13 +611,13 @@ async fn hand_rolled<F, Fut>(
     (name, mode): (&'static str, &'static str),
     target: &Target,
     args: &Args,
-    copies: bool,
+    (copies, ordered): (bool, bool),
     pool: &PgPool,
     work: F,
 ) -> Result<Measured, Error>
 where
     F: Fn(String, String) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = Result<(), sqlx::Error>> + Send,
+    Fut: std::future::Future<Output = Result<(), sqlx::Error>> + Send + 'static,
 {
     let run = run_name("plain");
     let (source, total) = prepare(target, &run, args.messages, copies).await?;
@@ -609,6 +634,27 @@ where
         let (run, acked) = (run.clone(), Arc::clone(&acked));
         async move {
             let mut tasks = tokio::task::JoinSet::new();
+            // Ordered: a lane per ordering key (a Kafka partition), its deliveries one after
+            // another — what the engine does on an ordered transport.
+            let mut lanes: HashMap<String, tokio::sync::mpsc::UnboundedSender<Job>> =
+                HashMap::new();
+            type Job = (Box<dyn Delivery>, tokio::sync::OwnedSemaphorePermit, String);
+            let handle = {
+                let (work, run, acked) = (Arc::clone(&work), run.clone(), Arc::clone(&acked));
+                move |(delivery, permit, id): Job| {
+                    let (work, run, acked) = (Arc::clone(&work), run.clone(), Arc::clone(&acked));
+                    async move {
+                        let result = work(run, id).await;
+                        if result.is_ok() {
+                            // The baseline has no engine to hand it a proof of commit.
+                            let _ = delivery.ack(AckToken::for_transport_tests()).await;
+                            acked.fetch_add(1, Ordering::SeqCst);
+                        }
+                        drop(permit);
+                        result
+                    }
+                }
+            };
             while let Some(delivery) = stream.next().await {
                 let permit = Arc::clone(&permits).acquire_owned().await?;
                 let delivery = delivery?;
@@ -617,17 +663,29 @@ where
                     .or_else(|| delivery.headers().get(inbox::DEFAULT_ID_HEADER))
                     .map(|id| String::from_utf8_lossy(id).into_owned())
                     .unwrap_or_default();
-                let (work, run, acked) = (Arc::clone(&work), run.clone(), Arc::clone(&acked));
-                tasks.spawn(async move {
-                    let result = work(run, id).await;
-                    if result.is_ok() {
-                        // The baseline has no engine to hand it a proof of commit.
-                        let _ = delivery.ack(AckToken::for_transport_tests()).await;
-                        acked.fetch_add(1, Ordering::SeqCst);
+                let key = ordered
+                    .then(|| delivery.ordering_key().map(str::to_owned))
+                    .flatten();
+                match key {
+                    Some(key) => {
+                        let lane = lanes.entry(key).or_insert_with(|| {
+                            let (lane, mut queue) = tokio::sync::mpsc::unbounded_channel::<Job>();
+                            let handle = handle.clone();
+                            tasks.spawn(async move {
+                                while let Some(job) = queue.recv().await {
+                                    handle(job).await?;
+                                }
+                                Ok::<(), sqlx::Error>(())
+                            });
+                            lane
+                        });
+                        lane.send((delivery, permit, id))
+                            .map_err(|_| "a lane ended early")?;
                     }
-                    drop(permit);
-                    result
-                });
+                    None => {
+                        tasks.spawn(handle((delivery, permit, id)));
+                    }
+                }
                 while let Some(done) = tasks.try_join_next() {
                     done??;
                 }
@@ -651,14 +709,25 @@ where
     })
 }
 
-/// The business write alone: BEGIN, insert, COMMIT, ack.
-async fn no_inbox(target: &Target, args: &Args, pool: &PgPool) -> Result<Measured, Error> {
+/// The business write alone: BEGIN, insert, COMMIT, ack. `ordered`: with the engine's order on
+/// an ordered transport (one delivery at a time per key: a Kafka partition).
+async fn no_inbox(
+    target: &Target,
+    args: &Args,
+    pool: &PgPool,
+    ordered: bool,
+) -> Result<Measured, Error> {
     let p = pool.clone();
+    let name = if ordered {
+        ("no inbox, ordered", "no_inbox_ordered")
+    } else {
+        ("no inbox", "no_inbox")
+    };
     hand_rolled(
-        ("no inbox", "no_inbox"),
+        name,
         target,
         args,
-        false,
+        (false, ordered),
         pool,
         move |run, id| {
             let pool = p.clone();
@@ -677,37 +746,48 @@ async fn naive(
     name: &'static str,
     target: &Target,
     args: &Args,
-    copies: bool,
+    (copies, ordered): (bool, bool),
     pool: &PgPool,
 ) -> Result<Measured, Error> {
     let p = pool.clone();
-    let mode = if copies { "naive_copies" } else { "naive" };
-    hand_rolled((name, mode), target, args, copies, pool, move |run, id| {
-        let pool = p.clone();
-        async move {
-            let seen: Option<i32> = sqlx::query_scalar(
-                "SELECT 1 FROM naive_processed WHERE consumer = $1 AND message_id = $2",
-            )
-            .bind(&run)
-            .bind(&id)
-            .fetch_optional(&pool)
-            .await?;
-            if seen.is_some() {
-                return Ok(());
-            }
-            let mut tx = pool.begin().await?;
-            business_write(&mut tx, &run, &id).await?;
-            sqlx::query(
-                "INSERT INTO naive_processed (consumer, message_id) VALUES ($1, $2)
+    let mode = match (copies, ordered) {
+        (true, _) => "naive_copies",
+        (false, true) => "naive_ordered",
+        (false, false) => "naive",
+    };
+    hand_rolled(
+        (name, mode),
+        target,
+        args,
+        (copies, ordered),
+        pool,
+        move |run, id| {
+            let pool = p.clone();
+            async move {
+                let seen: Option<i32> = sqlx::query_scalar(
+                    "SELECT 1 FROM naive_processed WHERE consumer = $1 AND message_id = $2",
+                )
+                .bind(&run)
+                .bind(&id)
+                .fetch_optional(&pool)
+                .await?;
+                if seen.is_some() {
+                    return Ok(());
+                }
+                let mut tx = pool.begin().await?;
+                business_write(&mut tx, &run, &id).await?;
+                sqlx::query(
+                    "INSERT INTO naive_processed (consumer, message_id) VALUES ($1, $2)
                  ON CONFLICT DO NOTHING",
-            )
-            .bind(&run)
-            .bind(&id)
-            .execute(&mut *tx)
-            .await?;
-            tx.commit().await
-        }
-    })
+                )
+                .bind(&run)
+                .bind(&id)
+                .execute(&mut *tx)
+                .await?;
+                tx.commit().await
+            }
+        },
+    )
     .await
 }
 
@@ -1163,6 +1243,184 @@ async fn outbox_modes(
     Ok(rows)
 }
 
+/// Retention cleanup of `rows` old rows while a consumer on the memory transport gets
+/// `--cleanup-claim-rate` messages a second: the claims' latency before the cleanup, during the
+/// paced cleanup (the library's default pace, `--cleanup-rest`), and during the same cleanup
+/// unpaced. Each row's rate is the claims' rate; the cleanup's own rate is printed.
+async fn cleanup_modes(
+    store: &PostgresStore,
+    args: &Args,
+    rows: u64,
+) -> Result<Vec<serde_json::Value>, Error> {
+    let _ = inbox_test_kit::metrics::snapshotter();
+    let broker = MemoryBroker::new();
+    let run = run_name("cleanup");
+    let source = format!("bench-{}", uuid::Uuid::new_v4().simple());
+    let name = ConsumerName::new(run.clone())?;
+    broker
+        .declare(&Subscription::new(source.clone(), name.clone(), 1))
+        .await?;
+    let consumer = Consumer::new(
+        name,
+        source.clone(),
+        Arc::new(broker.clone()) as Arc<dyn Transport>,
+        store.clone(),
+        BenchHandler {
+            run: run.clone(),
+            whole: false,
+        },
+    )
+    .concurrency(args.concurrency);
+    let token = CancellationToken::new();
+    let running = {
+        let (consumer, token) = (consumer.clone(), token.clone());
+        tokio::spawn(async move { consumer.run(token).await })
+    };
+    // A steady feed, as a service's traffic: the claims are measured at a rate they keep up
+    // with, so that their latency is the database's, not a queue's.
+    let feeding = CancellationToken::new();
+    let feed = {
+        let (broker, source, token) = (broker.clone(), source.clone(), feeding.clone());
+        let rate = args.cleanup_claim_rate.max(1);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate as f64));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            for i in 0u64.. {
+                tokio::select! {
+                    () = token.cancelled() => return Ok::<u64, TransportError>(i),
+                    _ = tick.tick() => {}
+                }
+                broker
+                    .publish(&source, OutgoingMessage::new(format!("m-{i}"), "{}"))
+                    .await?;
+            }
+            unreachable!()
+        })
+    };
+    let fill = |rows: u64| async move {
+        let started = Instant::now();
+        sqlx::query(
+            "INSERT INTO inbox_messages (consumer, message_id, received_at, processed_at)
+             SELECT 'history', 'h-' || g, now() - interval '30 days', now() - interval '30 days'
+             FROM generate_series(1, $1) g",
+        )
+        .bind(rows as i64)
+        .execute(store.pool())
+        .await?;
+        sqlx::query("VACUUM ANALYZE inbox_messages")
+            .execute(store.pool())
+            .await?;
+        Ok::<Duration, Error>(started.elapsed())
+    };
+    let measure = |name: &'static str, mode: &'static str, seconds: f64| {
+        let latencies = inbox_test_kit::metrics::claim_latencies(&run);
+        Measured {
+            name,
+            mode,
+            messages: latencies.len(),
+            seconds: seconds.max(1e-3),
+            doubles: None,
+            latencies,
+        }
+    };
+    let week = Duration::from_secs(7 * 24 * 3600);
+    let mut measured = Vec::new();
+    let mut report = Vec::new();
+    for paced in [true, false] {
+        let filled = fill(rows).await?;
+        println!("{rows} old rows written in {:.1} s", filled.as_secs_f64());
+        // Before: the claims of a quiet table at this rate.
+        let _ = inbox_test_kit::metrics::claim_latencies(&run);
+        let before = Instant::now();
+        tokio::time::sleep(Duration::from_secs_f64(
+            args.cleanup_before_seconds.max(0.1),
+        ))
+        .await;
+        let before = measure(
+            "claims before the cleanup",
+            "cleanup_before",
+            before.elapsed().as_secs_f64(),
+        );
+        let cleanup = inbox::Cleanup::new(store.clone(), week);
+        let cleanup = if paced {
+            cleanup.pace(
+                Duration::from_millis(args.cleanup_batch_ms),
+                args.cleanup_rest,
+            )
+        } else {
+            cleanup.unpaced()
+        };
+        let started = Instant::now();
+        let done = cleanup.run_once().await?;
+        let took = started.elapsed();
+        let during = if paced {
+            measure("claims during, paced", "cleanup_during", took.as_secs_f64())
+        } else {
+            measure(
+                "claims during, unpaced",
+                "cleanup_during_unpaced",
+                took.as_secs_f64(),
+            )
+        };
+        report.push(format!(
+            "{} cleanup: {} rows in {} batches, {:.1} s ({:.0} rows/s)",
+            if paced { "paced" } else { "unpaced" },
+            done.deleted,
+            done.batches,
+            took.as_secs_f64(),
+            done.deleted as f64 / took.as_secs_f64().max(1e-3)
+        ));
+        if done.deleted != rows {
+            return Err(format!("the cleanup deleted {} of {rows} rows", done.deleted).into());
+        }
+        // The paced run's "before" is the row; the unpaced run's is only context.
+        if paced {
+            measured.push(before);
+        }
+        measured.push(during);
+    }
+    feeding.cancel();
+    let fed = feed.await??;
+    clock(fed, || consumer.report().processed).await?;
+    token.cancel();
+    running.await??;
+    println!();
+    println!(
+        "== cleanup of {rows} rows while claiming {} msgs/s ==",
+        args.cleanup_claim_rate
+    );
+    println!(
+        "{:<28}{:>10}{:>10}{:>10}",
+        "mode", "claims/s", "p50 ms", "p99 ms"
+    );
+    for m in &measured {
+        println!(
+            "{:<28}{:>10.0}{:>10}{:>10}",
+            m.name,
+            m.rate(),
+            m.percentile_ms(50.0)
+                .map_or("-".into(), |v| format!("{v:.2}")),
+            m.percentile_ms(99.0)
+                .map_or("-".into(), |v| format!("{v:.2}"))
+        );
+    }
+    for line in &report {
+        println!("{line}");
+    }
+    let p99 = |m: &Measured| m.percentile_ms(99.0).unwrap_or(f64::INFINITY);
+    let ratio = p99(&measured[1]) / p99(&measured[0]);
+    println!(
+        "claim p99 during / before (paced){:>12.2}   target <= 1.2   {}",
+        ratio,
+        if ratio <= 1.2 { "met" } else { "NOT met" }
+    );
+    println!(
+        "claim p99 during / before (unpaced){:>10.2}",
+        p99(&measured[2]) / p99(&measured[0])
+    );
+    Ok(measured.iter().map(|m| m.row("memory")).collect())
+}
+
 /// A database of the bench's own on the server of `url`.
 async fn fresh_database(url: &str) -> Result<String, Error> {
     let name = format!("inbox_bench_{}", uuid::Uuid::new_v4().simple());
@@ -1378,7 +1636,9 @@ async fn targets(which: Which) -> Result<Vec<Target>, Error> {
 
 async fn bench(args: Args) -> Result<(), Error> {
     let url = fresh_database(&args.database).await?;
-    let store = PostgresStore::connect(&url, (args.concurrency + 2) as u32).await?;
+    let store = PostgresStore::connect(&url, (args.concurrency + 2) as u32)
+        .await?
+        .claim_with_begin(!args.claim_apart);
     store.migrate().await?;
     let pool = store.pool().clone();
     for ddl in [
@@ -1410,6 +1670,10 @@ async fn bench(args: Args) -> Result<(), Error> {
             );
         }
         return write_json(&args, rows, peak_rss_mib());
+    }
+    if let Some(rows) = args.cleanup {
+        let measured = cleanup_modes(&store, &args, rows).await?;
+        return write_json(&args, measured, peak_rss_mib());
     }
     if args.outbox_only {
         for target in targets(args.transport).await? {
@@ -1450,11 +1714,21 @@ async fn bench(args: Args) -> Result<(), Error> {
             true,
         )
         .await?;
-        let plain = no_inbox(t, &args, &pool).await?;
-        let naive_rate = naive("naive check-then-insert", t, &args, false, &pool).await?;
+        let plain = no_inbox(t, &args, &pool, false).await?;
+        let naive_rate = naive("naive check-then-insert", t, &args, (false, false), &pool).await?;
         let inbox_copies =
             inbox_mode("inbox, copies at once", t, &store, &args, None, true).await?;
-        let naive_copies = naive("naive, copies at once", t, &args, true, &pool).await?;
+        let naive_copies = naive("naive, copies at once", t, &args, (true, false), &pool).await?;
+        // On an ordered transport, the baselines with the engine's order too (a Kafka
+        // partition's records one at a time): the like-for-like comparison.
+        let ordered_baselines = if t.transport.capabilities().ordered {
+            Some((
+                no_inbox(t, &args, &pool, true).await?,
+                naive("naive, ordered", t, &args, (false, true), &pool).await?,
+            ))
+        } else {
+            None
+        };
 
         println!();
         println!("== {} ==", t.name);
@@ -1462,7 +1736,7 @@ async fn bench(args: Args) -> Result<(), Error> {
             "{:<28}{:>10}{:>10}{:>10}{:>16}",
             "mode", "msgs/s", "p50 ms", "p99 ms", "double effects"
         );
-        for m in [
+        let mut shown = vec![
             &per_message,
             &batched,
             &batch_handler,
@@ -1472,7 +1746,11 @@ async fn bench(args: Args) -> Result<(), Error> {
             &naive_copies,
             &ceiling,
             &raw,
-        ] {
+        ];
+        if let Some((no_inbox_ordered, naive_ordered)) = &ordered_baselines {
+            shown.extend([no_inbox_ordered, naive_ordered]);
+        }
+        for m in shown {
             rows.push(m.row(t.name));
             let doubles = m.doubles.map_or("-".to_owned(), |d| d.to_string());
             println!(
@@ -1516,6 +1794,18 @@ async fn bench(args: Args) -> Result<(), Error> {
             ratio(&per_message, &naive_rate),
             1.2,
         );
+        if let Some((no_inbox_ordered, naive_ordered)) = &ordered_baselines {
+            line(
+                "per message / no inbox, ordered",
+                ratio(&per_message, no_inbox_ordered),
+                0.9,
+            );
+            line(
+                "per message / naive, ordered",
+                ratio(&per_message, naive_ordered),
+                1.2,
+            );
+        }
         println!(
             "double effects with copies at once: inbox {}, naive {}",
             inbox_copies.doubles.unwrap_or(0),
@@ -1546,6 +1836,9 @@ async fn bench(args: Args) -> Result<(), Error> {
                 ratio(&my_batch, &batched)
             );
         }
+        if t.name == "kafka" {
+            rows.extend(wider_kafka(&store, &args, &pool).await?);
+        }
         rows.extend(outbox_modes(t, &store, &args).await?);
     }
     let rss = peak_rss_mib();
@@ -1553,6 +1846,49 @@ async fn bench(args: Args) -> Result<(), Error> {
         println!("\npeak RSS of the bench process: {rss:.0} MiB");
     }
     write_json(&args, rows, rss)
+}
+
+/// Kafka with topics of 12 partitions instead of 3: more lanes in flight, per message and in the
+/// ordered baseline.
+async fn wider_kafka(
+    store: &PostgresStore,
+    args: &Args,
+    pool: &PgPool,
+) -> Result<Vec<serde_json::Value>, Error> {
+    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".to_owned());
+    let t = &Target::new(
+        "kafka",
+        Arc::new(inbox::kafka::KafkaTransport::new(
+            inbox::kafka::KafkaConfig::new(brokers).partitions(12),
+        )?),
+    );
+    let mut per_message = inbox_mode("inbox per message", t, store, args, None, false).await?;
+    per_message.mode = "per_message_12_partitions";
+    let mut ordered = no_inbox(t, args, pool, true).await?;
+    ordered.mode = "no_inbox_ordered_12_partitions";
+    let mut unordered = no_inbox(t, args, pool, false).await?;
+    unordered.mode = "no_inbox_12_partitions";
+    println!();
+    println!("== kafka, 12 partitions ==");
+    for m in [&per_message, &ordered, &unordered] {
+        println!(
+            "{:<28}{:>10.0}{:>10}{:>10}",
+            m.name,
+            m.rate(),
+            m.percentile(50.0),
+            m.percentile(99.0)
+        );
+    }
+    let ratio = per_message.rate() / ordered.rate();
+    println!(
+        "{:<36}{ratio:>8.2}   target >= 0.9   {}",
+        "per message / no inbox, ordered",
+        if ratio >= 0.9 { "met" } else { "NOT met" }
+    );
+    Ok([&per_message, &ordered, &unordered]
+        .iter()
+        .map(|m| m.row(t.name))
+        .collect())
 }
 
 /// Writes `--json`'s file, if asked for.

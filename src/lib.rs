@@ -4,11 +4,11 @@
 // What an application names: the consumer, its handler and messages, ids, policies, errors.
 pub use inbox_core::{
     AfterCommit, BatchError, BatchHandler, Batched, Batching, BoxError, CancellationToken, Cleanup,
-    CleanupReport, Consumer, ConsumerError, ConsumerName, ConsumerReport, DEFAULT_ID_HEADER,
-    ErrorKind, Handler, HandlerError, Headers, IdStrategy, InboxAdmin, InboxStore, InvalidName,
-    MAX_CONSUMER_NAME_BYTES, MAX_MESSAGE_ID_BYTES, Message, MessageId, OutgoingMessage,
-    RetryPolicy, StoreError, TRACEPARENT, TraceParent, Transport, TransportError, async_trait,
-    error_chain, redact_url,
+    CleanupPace, CleanupReport, Consumer, ConsumerError, ConsumerName, ConsumerReport,
+    DEFAULT_ID_HEADER, ErrorKind, Handler, HandlerError, Headers, IdStrategy, InboxAdmin,
+    InboxStore, InvalidName, MAX_CONSUMER_NAME_BYTES, MAX_MESSAGE_ID_BYTES, Message, MessageId,
+    OutgoingMessage, RetryPolicy, StoreError, TRACEPARENT, TraceParent, Transport, TransportError,
+    async_trait, error_chain, redact_url,
 };
 
 #[cfg(feature = "postgres")]

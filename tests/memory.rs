@@ -524,26 +524,258 @@ async fn a_cancelled_begin_leaves_no_transaction_open() {
             cancelled_in_flight += 1;
         }
         drop(begin);
-        // The transaction id of a statement on its own is new each time; two statements inside
-        // one transaction share it.
-        let mut conn = store.pool().acquire().await.expect("a connection");
-        let xact = "SELECT txid_current()";
-        let first: i64 = sqlx::query_scalar(xact)
-            .fetch_one(&mut *conn)
-            .await
-            .expect("txid");
-        let second: i64 = sqlx::query_scalar(xact)
-            .fetch_one(&mut *conn)
-            .await
-            .expect("txid");
-        let in_transaction = first == second;
-        drop(conn);
         assert!(
-            !in_transaction,
+            outside_transaction(store.pool()).await,
             "round {round}: the pool handed out a connection inside a transaction left by a cancelled begin"
         );
     }
     assert!(cancelled_in_flight > 0, "no begin was cancelled in flight");
+}
+
+/// Whether the session the pool hands out next is outside any transaction: the transaction id of
+/// a statement on its own is new each time; two statements inside one transaction share it.
+/// (Pools of one connection: that session is the one the test left.)
+async fn outside_transaction(pool: &sqlx::PgPool) -> bool {
+    let mut conn = pool.acquire().await.expect("a connection");
+    let xact = "SELECT txid_current()";
+    let first: i64 = sqlx::query_scalar(xact)
+        .fetch_one(&mut *conn)
+        .await
+        .expect("txid");
+    let second: i64 = sqlx::query_scalar(xact)
+        .fetch_one(&mut *conn)
+        .await
+        .expect("txid");
+    first != second
+}
+
+/// The one-trip claim (`BEGIN` and claim in one round trip, ids quoted into the statement):
+/// hostile ids are stored as they are and claim nothing else; a message seen before falls back
+/// to the usual claim and leaves its session outside any transaction (one pooled connection,
+/// so the next borrower gets that session); the transaction is READ COMMITTED even where the
+/// database's default is not, with the statement timeout set; and without the migration's
+/// function the store claims the usual way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_one_trip_claim_quotes_ids_and_falls_back_cleanly() {
+    use std::time::Duration;
+
+    use conformance::stores::Postgres;
+    use inbox::store::Claim;
+    use inbox::{ConsumerName, InboxAdmin, InboxStore, MessageId, PostgresStore};
+
+    let url = Postgres::fresh_url().await;
+    let admin = sqlx::PgPool::connect(&url).await.expect("connect");
+    let db: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    for setting in [
+        "default_transaction_isolation = 'repeatable read'",
+        // Backslashes in plain literals are escapes then: the quoting must hold either way.
+        "standard_conforming_strings = off",
+        // pg_stat_xact_user_functions then tells which way a claim went.
+        "track_functions = 'pl'",
+    ] {
+        sqlx::query(&format!("ALTER DATABASE {db} SET {setting}"))
+            .execute(&admin)
+            .await
+            .unwrap();
+    }
+    // Calls the session has not yet reported, this transaction's among them: at least one if
+    // this transaction called the function (exact for the first claim, the session's first call).
+    async fn one_trip(tx: &mut inbox::PgTx) -> bool {
+        let calls: i64 = sqlx::query_scalar(
+            "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_xact_user_functions WHERE funcname = 'inbox_claim_new'",
+        )
+        .fetch_one(&mut **tx)
+        .await
+        .unwrap();
+        calls >= 1
+    }
+    let store = PostgresStore::connect(&url, 1)
+        .await
+        .expect("connect PostgreSQL")
+        .with_statement_timeout(Duration::from_millis(1500));
+    store.migrate().await.expect("migrate");
+    let consumer = ConsumerName::new("it's \\ a 'consumer'").unwrap();
+    let ids = [
+        "plain".to_owned(),
+        "it's".to_owned(),
+        "back\\slash\\".to_owned(),
+        "'); DELETE FROM inbox_messages; --".to_owned(),
+        "E'x' || '\\'".to_owned(),
+        "$$ $q$ \"quoted\"".to_owned(),
+        "ünïcødé € 😀".to_owned(),
+        "x".repeat(255),
+    ];
+    for id in &ids {
+        let message = MessageId::new(id.as_str()).unwrap();
+        let (mut tx, claim) = store
+            .begin_and_claim(&consumer, &message, true)
+            .await
+            .unwrap_or_else(|e| panic!("claim {id:?}: {e}"));
+        assert_eq!(
+            claim,
+            Claim::Claimed {
+                attempts: 0,
+                last_error: None
+            },
+            "{id:?}"
+        );
+        let settings: (String, String) = sqlx::query_as(
+            "SELECT current_setting('transaction_isolation'), current_setting('statement_timeout')",
+        )
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+        assert_eq!(
+            settings,
+            ("read committed".into(), "1500ms".into()),
+            "{id:?}"
+        );
+        assert!(one_trip(&mut tx).await, "{id:?}: claimed in one trip");
+        store.commit(tx).await.expect("commit");
+        // Seen before: the one-trip claim fails, the usual one finds the message done.
+        let (tx, claim) = store
+            .begin_and_claim(&consumer, &message, true)
+            .await
+            .unwrap_or_else(|e| panic!("claim {id:?} again: {e}"));
+        // Done: only the usual claim can say so.
+        assert_eq!(claim, Claim::Done, "{id:?}");
+        store.rollback(tx).await.unwrap();
+        assert!(
+            outside_transaction(store.pool()).await,
+            "{id:?}: a session left in a transaction"
+        );
+    }
+    let stored: Vec<String> = sqlx::query_scalar(
+        "SELECT message_id FROM inbox_messages WHERE consumer = $1 AND processed_at IS NOT NULL ORDER BY message_id",
+    )
+    .bind(consumer.as_str())
+    .fetch_all(&admin)
+    .await
+    .unwrap();
+    let mut expected = ids.to_vec();
+    expected.sort();
+    assert_eq!(stored, expected, "each id stored as it is, nothing else");
+    let all: i64 = sqlx::query_scalar("SELECT count(*) FROM inbox_messages")
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    assert_eq!(all, ids.len() as i64);
+
+    // Without the function: the usual claim, from the first message on.
+    sqlx::query("DROP FUNCTION inbox_claim_new(text, text)")
+        .execute(&admin)
+        .await
+        .unwrap();
+    for id in ["after-1", "after-2"] {
+        let message = MessageId::new(id).unwrap();
+        let (tx, claim) = store
+            .begin_and_claim(&consumer, &message, true)
+            .await
+            .unwrap_or_else(|e| panic!("claim {id:?} without the function: {e}"));
+        assert!(
+            matches!(claim, Claim::Claimed { attempts: 0, .. }),
+            "{claim:?}"
+        );
+        store.commit(tx).await.expect("commit");
+        assert!(
+            outside_transaction(store.pool()).await,
+            "{id}: a session left in a transaction"
+        );
+    }
+}
+
+/// A commit leaves its session outside any transaction (one pooled connection, so the next
+/// borrower gets it), with the writes committed; an aborted transaction (an error swallowed) is
+/// refused as `Aborted` and rolled back; a `COMMIT` that itself fails (a deferred constraint) is
+/// an error, not a success, and leaves the session clean too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_refuses_an_aborted_transaction_and_leaves_its_session_clean() {
+    use conformance::stores::Postgres;
+    use inbox::{ConsumerName, InboxAdmin, InboxStore, MessageId, PostgresStore, StoreError};
+    use sqlx::Executor;
+
+    let url = Postgres::fresh_url().await;
+    let admin = sqlx::PgPool::connect(&url).await.expect("connect");
+    admin
+        .execute(
+            "CREATE TABLE commit_checks (id int PRIMARY KEY, ref int)
+             ;ALTER TABLE commit_checks ADD CONSTRAINT later UNIQUE (ref) DEFERRABLE INITIALLY DEFERRED",
+        )
+        .await
+        .unwrap();
+    let store = PostgresStore::connect(&url, 1)
+        .await
+        .expect("connect PostgreSQL");
+    store.migrate().await.expect("migrate");
+    let consumer = ConsumerName::new("commits").unwrap();
+    let claimed = |id: &str| {
+        let (admin, id) = (admin.clone(), id.to_owned());
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM inbox_messages WHERE message_id = $1 AND processed_at IS NOT NULL",
+            )
+            .bind(id)
+            .fetch_one(&admin)
+            .await
+            .unwrap()
+        }
+    };
+
+    for round in 0..3 {
+        let id = format!("fine-{round}");
+        let (mut tx, _) = store
+            .begin_and_claim(&consumer, &MessageId::new(id.as_str()).unwrap(), true)
+            .await
+            .unwrap();
+        sqlx::query("INSERT INTO commit_checks (id, ref) VALUES ($1, $1)")
+            .bind(round)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        store.commit(tx).await.expect("commit");
+        assert!(
+            outside_transaction(store.pool()).await,
+            "round {round}: left inside a transaction"
+        );
+        assert_eq!(claimed(&id).await, 1, "round {round}: committed");
+    }
+
+    // A swallowed error: refused, rolled back, the session clean.
+    let (mut tx, _) = store
+        .begin_and_claim(&consumer, &MessageId::new("swallowed").unwrap(), true)
+        .await
+        .unwrap();
+    let _ = sqlx::query("SELECT 1 / 0").execute(&mut *tx).await;
+    let error = store.commit(tx).await.expect_err("an aborted transaction");
+    assert!(matches!(error, StoreError::Aborted(_)), "{error:?}");
+    assert!(
+        outside_transaction(store.pool()).await,
+        "after an aborted commit"
+    );
+    assert_eq!(claimed("swallowed").await, 0);
+
+    // The COMMIT itself fails: an error, nothing committed, the session clean.
+    let (mut tx, _) = store
+        .begin_and_claim(&consumer, &MessageId::new("deferred").unwrap(), true)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO commit_checks (id, ref) VALUES (100, 0)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let error = store
+        .commit(tx)
+        .await
+        .expect_err("a deferred unique violation");
+    assert!(format!("{error:?}").contains("23505"), "{error:?}");
+    assert!(
+        outside_transaction(store.pool()).await,
+        "after a failed COMMIT"
+    );
+    assert_eq!(claimed("deferred").await, 0);
 }
 
 /// A session the server ends (`pg_terminate_backend`, as a restart or a failover does: SQLSTATE

@@ -49,7 +49,9 @@ pub use store::mysql::{MySqlStore, MySqlTx};
 pub use store::postgres::{PgTx, PostgresStore};
 #[cfg(feature = "sqlite")]
 pub use store::sqlite::{SqliteStore, SqliteTx};
-pub use store::{Claim, CleanupReport, ConsumerStats, DeadLetter, InboxAdmin, InboxStore};
+pub use store::{
+    Claim, CleanupPace, CleanupReport, ConsumerStats, DeadLetter, InboxAdmin, InboxStore,
+};
 pub use trace::{TRACEPARENT, TraceParent};
 pub use transport::{AckToken, Capabilities, Delivery, DeliveryStream, Subscription, Transport};
 

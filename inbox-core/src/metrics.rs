@@ -31,7 +31,8 @@ pub const ROWS: &str = "inbox_rows";
 pub const DEAD_ROWS: &str = "inbox_dead_rows";
 /// Rows deleted by [`Cleanup`](crate::Cleanup) (not labelled by consumer: one pass covers all).
 pub const CLEANUP_DELETED: &str = "inbox_cleanup_deleted_total";
-/// Seconds spent in the claim statement.
+/// Seconds spent claiming: a message's `BEGIN` and claim (one round trip on PostgreSQL for a
+/// message not seen before), or a batch's claim statement.
 pub const CLAIM_SECONDS: &str = "inbox_claim_seconds";
 /// Seconds spent in the handler.
 pub const HANDLE_SECONDS: &str = "inbox_handle_seconds";

@@ -97,9 +97,18 @@ struct CleanupArgs {
     /// Delete rows processed longer ago than this (`7d`, `36h`, `90m`).
     #[arg(long, value_parser = humantime::parse_duration)]
     older_than: Duration,
-    /// Rows per transaction.
+    /// The most rows per transaction.
     #[arg(long, default_value_t = 10_000)]
     batch_size: u32,
+    /// Pacing: batches of about 20 ms, each followed by a rest of this many times its duration,
+    /// so that running consumers barely feel the cleanup (it deletes at about 1 / (1 + REST) of
+    /// the unpaced rate).
+    #[arg(long, default_value_t = 4.0)]
+    rest: f64,
+    /// Batches of --batch-size back to back: as fast as the database deletes, felt most by
+    /// the consumers running beside it.
+    #[arg(long, conflicts_with = "rest")]
+    unpaced: bool,
     /// How long copies of a message can still arrive (broker retention, replays); a shorter
     /// `--older-than` is warned about.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "7d")]
@@ -437,6 +446,11 @@ async fn cleanup<S: InboxAdmin + Clone>(store: S, args: CleanupArgs) -> Result<(
     let cleanup = Cleanup::new(store.clone(), args.older_than)
         .batch_size(args.batch_size)
         .redelivery_horizon(args.redelivery_horizon);
+    let cleanup = if args.unpaced {
+        cleanup.unpaced()
+    } else {
+        cleanup.pace(Duration::from_millis(20), args.rest)
+    };
     if !cleanup.retention_covers_horizon() {
         eprintln!(
             "warning: --older-than {} is shorter than the redelivery horizon {}: a copy arriving after its row is deleted is handled again",

@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use inbox::store::{Claim, ConsumerStats, DeadLetter};
-use inbox::{CleanupReport, ConsumerName, InboxAdmin, InboxStore, MessageId, StoreError};
+use inbox::{
+    CleanupPace, CleanupReport, ConsumerName, InboxAdmin, InboxStore, MessageId, StoreError,
+};
 
 /// The store methods a fault can be aimed at.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -368,12 +370,12 @@ impl<S: InboxAdmin> InboxAdmin for FlakyStore<S> {
     async fn cleanup_with_progress(
         &self,
         older_than: Duration,
-        batch_size: u32,
+        pace: CleanupPace,
         progress: &(dyn Fn(u64) + Send + Sync),
     ) -> Result<CleanupReport, StoreError> {
         self.check()?;
         self.inner
-            .cleanup_with_progress(older_than, batch_size, progress)
+            .cleanup_with_progress(older_than, pace, progress)
             .await
     }
 

@@ -12,6 +12,7 @@ pub mod flaky;
 pub mod hostile;
 pub mod kafka;
 pub mod memory;
+pub mod metrics;
 pub mod nats;
 pub mod publishing;
 pub mod rabbitmq;

@@ -175,24 +175,18 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
         let mut retry_delays = self.settings.retry.delays();
         let mut dead_letter_delays = self.settings.reconnect.delays();
         let mut retried_here = 0u32;
+        // No sign of an earlier delivery: the store may claim with the BEGIN, in one trip.
+        let mut unseen = !delivery.redelivered() && unfinished.is_none();
         loop {
-            let mut tx = match self.store.begin().await {
-                Ok(tx) => tx,
-                Err(e) => {
-                    if self.wait_out_store_error(e, &mut retry_delays).await? {
-                        continue;
-                    }
-                    return Ok(self.hand_back(delivery).await);
-                }
-            };
             let claimed = self
                 .metrics
-                .time_claim(self.store.claim(&mut tx, &self.name, &id))
+                .time_claim(self.store.begin_and_claim(&self.name, &id, unseen))
                 .await;
-            let claim = match claimed {
-                Ok(claim) => claim,
+            // A second try finds the first one's row (or its failure recorded).
+            unseen = false;
+            let (mut tx, claim) = match claimed {
+                Ok(claimed) => claimed,
                 Err(e) => {
-                    drop(tx);
                     if self.wait_out_store_error(e, &mut retry_delays).await? {
                         continue;
                     }

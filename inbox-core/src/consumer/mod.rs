@@ -241,8 +241,9 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
     /// rolled back to its savepoint, its failure recorded in the same transaction, and it goes
     /// through the usual failure model after the commit (retry, requeue, dead-letter) without
     /// costing the others. On an ordered transport, later messages of its key wait for it, and
-    /// batches run one at a time. `concurrency` becomes batches in flight; the default prefetch
-    /// becomes enough for them.
+    /// each batch is split by key (a Kafka partition), each part running after the earlier
+    /// parts of its key: batches in flight overlap only across keys. `concurrency` becomes
+    /// batches in flight; the default prefetch becomes enough for them.
     ///
     /// With a batch handler (a handler whose [`Handler::as_batch_handler`] is `Some`, such as
     /// [`Batched`](crate::Batched)) each batch is handled in one call with no savepoints and no

@@ -20,8 +20,16 @@ use crate::transport::{Delivery, DeliveryStream, Subscription};
 
 use super::settings::Batching;
 
-/// The queue of one ordering key: deliveries with the permit each took.
-type Lane = mpsc::UnboundedSender<(Box<dyn Delivery>, OwnedSemaphorePermit)>;
+/// What a lane runs: one delivery, or one key's part of a batch (batch mode on an ordered
+/// transport).
+enum Work {
+    One(Box<dyn Delivery>),
+    Part(Vec<Box<dyn Delivery>>),
+}
+
+/// The queue of one ordering key: its work, in order, each with the permit it was taken under
+/// (a batch's parts share the batch's, released when the last is done).
+type Lane = mpsc::UnboundedSender<(Work, Arc<OwnedSemaphorePermit>)>;
 
 /// What the stream gave after a delivery: the next one, an error, or its end.
 type Next = Option<Result<Box<dyn Delivery>, TransportError>>;
@@ -75,12 +83,9 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
     async fn run(self) -> Option<ConsumerError> {
         let batching = self.batching();
         let ordered = self.transport.capabilities().ordered;
-        // Batches of an ordered transport run one at a time: two in flight could hold messages
-        // of the same key.
-        let slots = match batching {
-            Some(_) if ordered => 1,
-            _ => self.settings.concurrency,
-        };
+        // On an ordered transport a batch is split by key and each part queued in its key's lane,
+        // so batches in flight never handle one key's messages at once or out of order.
+        let slots = self.settings.concurrency;
         let permits = Arc::new(Semaphore::new(slots));
         let window = match batching {
             Some(b) => slots * b.max_size * 2,
@@ -158,12 +163,16 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
                             Some(batching) => {
                                 let (batch, rest) = gather(first, &mut stream, batching).await;
                                 pushed_back = rest;
-                                let run = self.clone();
-                                tasks.spawn(async move {
-                                    let result = run.settle_batch(batch).await;
-                                    drop(permit);
-                                    result
-                                });
+                                if ordered {
+                                    self.dispatch_batch(batch, permit, &mut lanes, &mut tasks);
+                                } else {
+                                    let run = self.clone();
+                                    tasks.spawn(async move {
+                                        let result = run.settle_batch(batch).await;
+                                        drop(permit);
+                                        result
+                                    });
+                                }
                             }
                             None => self.dispatch(first, permit, &mut lanes, &mut tasks),
                         }
@@ -212,16 +221,65 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
         lanes: &mut HashMap<String, Lane>,
         tasks: &mut Tasks,
     ) {
-        let Some(key) = delivery.ordering_key().map(str::to_owned) else {
-            let run = self.clone();
-            tasks.spawn(async move {
-                let result = run.settle_delivery(delivery).await;
-                drop(permit);
-                result
-            });
-            return;
-        };
-        let mut item = (delivery, permit);
+        match delivery.ordering_key().map(str::to_owned) {
+            Some(key) => self.enqueue(key, Work::One(delivery), Arc::new(permit), lanes, tasks),
+            None => {
+                let run = self.clone();
+                tasks.spawn(async move {
+                    let result = run.settle_delivery(delivery).await;
+                    drop(permit);
+                    result
+                });
+            }
+        }
+    }
+
+    /// Batch mode on an ordered transport: the batch split by ordering key (a Kafka partition),
+    /// keeping its order, and each key's part queued in that key's lane behind the parts of
+    /// earlier batches. Parts of different keys run at once.
+    fn dispatch_batch(
+        &self,
+        batch: Vec<Box<dyn Delivery>>,
+        permit: OwnedSemaphorePermit,
+        lanes: &mut HashMap<String, Lane>,
+        tasks: &mut Tasks,
+    ) {
+        let permit = Arc::new(permit);
+        // Few keys per batch (a consumer's partitions): a list, not a map.
+        let mut parts: Vec<(Option<String>, Vec<_>)> = Vec::new();
+        for delivery in batch {
+            let key = delivery.ordering_key().map(str::to_owned);
+            match parts.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, part)) => part.push(delivery),
+                None => parts.push((key, vec![delivery])),
+            }
+        }
+        for (key, part) in parts {
+            let permit = Arc::clone(&permit);
+            match key {
+                Some(key) => self.enqueue(key, Work::Part(part), permit, lanes, tasks),
+                None => {
+                    let run = self.clone();
+                    tasks.spawn(async move {
+                        let result = run.settle_batch(part).await;
+                        drop(permit);
+                        result
+                    });
+                }
+            }
+        }
+    }
+
+    /// Queues `work` in the lane of `key`, starting the lane if it has none.
+    fn enqueue(
+        &self,
+        key: String,
+        work: Work,
+        permit: Arc<OwnedSemaphorePermit>,
+        lanes: &mut HashMap<String, Lane>,
+        tasks: &mut Tasks,
+    ) {
+        let mut item = (work, permit);
         if let Some(lane) = lanes.get(&key) {
             match lane.send(item) {
                 Ok(()) => return,
@@ -235,18 +293,28 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
         tasks.spawn(self.clone().run_lane(queue));
     }
 
-    /// Handles one ordering key's deliveries in order. After shutdown, what is still queued is
-    /// handed back unhandled.
+    /// Handles one ordering key's work in order. After shutdown, what is still queued is handed
+    /// back unhandled.
     async fn run_lane(
         self,
-        mut queue: mpsc::UnboundedReceiver<(Box<dyn Delivery>, OwnedSemaphorePermit)>,
+        mut queue: mpsc::UnboundedReceiver<(Work, Arc<OwnedSemaphorePermit>)>,
     ) -> Result<(), ConsumerError> {
-        while let Some((delivery, permit)) = queue.recv().await {
-            if self.stop.is_cancelled() {
-                self.hand_back(delivery).await;
-                continue;
-            }
-            let result = self.settle_delivery(delivery).await;
+        while let Some((work, permit)) = queue.recv().await {
+            let stopped = self.stop.is_cancelled();
+            let result = match work {
+                Work::One(delivery) if stopped => {
+                    self.hand_back(delivery).await;
+                    Ok(())
+                }
+                Work::Part(part) if stopped => {
+                    for delivery in part {
+                        self.hand_back(delivery).await;
+                    }
+                    Ok(())
+                }
+                Work::One(delivery) => self.settle_delivery(delivery).await,
+                Work::Part(part) => self.settle_batch(part).await,
+            };
             drop(permit);
             result?;
         }

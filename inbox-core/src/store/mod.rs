@@ -111,9 +111,98 @@ pub struct CleanupReport {
     pub skipped_locked: bool,
 }
 
+/// How a cleanup sizes and spaces its batches: what keeps the consumers' claims from feeling it.
+///
+/// A batch's `DELETE` competes with the claims for the database's CPU and its WAL (or redo log)
+/// flushes; a claim that lands in one waits longer. Short batches with rests between them keep
+/// the claims that land in one few and their wait short; the price is a slower cleanup (a rest of
+/// 4× the batch time deletes at a fifth of the unpaced rate).
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub struct CleanupPace {
+    /// The most rows one batch (transaction) deletes; at least 1.
+    pub max_rows: u32,
+    /// The time a batch should take: each next batch's size is scaled towards it, up to
+    /// `max_rows`. `None`: every batch is `max_rows`.
+    pub batch_time: Option<Duration>,
+    /// After each batch, a rest of this many times the batch's own duration (0: none).
+    pub rest: f64,
+}
+
+impl CleanupPace {
+    /// `rows` per batch, back to back: as fast as the database deletes.
+    pub fn unpaced(rows: u32) -> Self {
+        Self {
+            max_rows: rows.max(1),
+            batch_time: None,
+            rest: 0.0,
+        }
+    }
+
+    /// Batches of about `batch_time` (at most `max_rows` rows), each followed by a rest of
+    /// `rest` times its duration.
+    pub fn paced(max_rows: u32, batch_time: Duration, rest: f64) -> Self {
+        Self {
+            max_rows: max_rows.max(1),
+            batch_time: Some(batch_time.max(Duration::from_millis(1))),
+            rest: if rest.is_finite() { rest.max(0.0) } else { 0.0 },
+        }
+    }
+}
+
+/// A cleanup loop's pacing: the next batch's size, and the rest after each.
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub(crate) struct Pacer {
+    pace: CleanupPace,
+    rows: u32,
+    started: tokio::time::Instant,
+}
+
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+impl Pacer {
+    /// Paced batches start small: the first batch measures the rate.
+    pub(crate) fn new(pace: CleanupPace) -> Self {
+        let rows = match pace.batch_time {
+            Some(_) => pace.max_rows.clamp(1, 500),
+            None => pace.max_rows.max(1),
+        };
+        Self {
+            pace,
+            rows,
+            started: tokio::time::Instant::now(),
+        }
+    }
+
+    /// The rows the next batch deletes; starts its clock.
+    pub(crate) fn rows(&mut self) -> u32 {
+        self.started = tokio::time::Instant::now();
+        self.rows
+    }
+
+    /// After a batch that deleted `deleted` rows: `true` when it was the last (fewer than
+    /// asked); otherwise sizes the next one and rests.
+    pub(crate) async fn batch_done(&mut self, deleted: u64) -> bool {
+        if deleted < u64::from(self.rows) {
+            return true;
+        }
+        let took = self.started.elapsed();
+        if let Some(target) = self.pace.batch_time {
+            // Towards the target, by at most 2× a step: one slow batch (a checkpoint) does not
+            // collapse the size, one fast one does not blow it up.
+            let scale = (target.as_secs_f64() / took.as_secs_f64().max(1e-4)).clamp(0.5, 2.0);
+            self.rows = ((f64::from(self.rows) * scale) as u32).clamp(1, self.pace.max_rows.max(1));
+        }
+        if self.pace.rest > 0.0 {
+            tokio::time::sleep(took.mul_f64(self.pace.rest.min(1e3))).await;
+        }
+        false
+    }
+}
+
 /// The inbox table as the engine uses it per delivery: the only place that knows SQL.
 ///
-/// All statements bind their values as parameters. Implementations must keep the claim to one
+/// All statements bind their values as parameters (but one: PostgreSQL's claim sent with the
+/// `BEGIN`, where parameters cannot go, quotes them). Implementations must keep the claim to one
 /// statement (see [`claim`](Self::claim)). What operators and the CLI need besides — migrations,
 /// dead-letter listing, cleanup, replay — is [`InboxAdmin`].
 ///
@@ -139,6 +228,23 @@ pub trait InboxStore: Send + Sync + 'static {
         consumer: &ConsumerName,
         id: &MessageId,
     ) -> Result<Claim, StoreError>;
+
+    /// [`begin`](Self::begin), then [`claim`](Self::claim): what the engine does per message.
+    /// `unseen` says the consumer has no sign that the message came before (the broker does not
+    /// call it a redelivery, and this is its first try here); a store may then do both in one
+    /// round trip, as PostgreSQL does (see `PostgresStore::claim_with_begin`). On an error the
+    /// transaction is rolled back.
+    async fn begin_and_claim(
+        &self,
+        consumer: &ConsumerName,
+        id: &MessageId,
+        unseen: bool,
+    ) -> Result<(Self::Tx, Claim), StoreError> {
+        let _ = unseen;
+        let mut tx = self.begin().await?;
+        let claim = self.claim(&mut tx, consumer, id).await?;
+        Ok((tx, claim))
+    }
 
     /// Claims many messages in ONE statement (batch mode): the result says, for each id in
     /// order, [`Claim::Claimed`] or [`Claim::Done`] (done or dead: not to be handled). `ids` must
@@ -263,25 +369,26 @@ pub trait InboxAdmin: InboxStore {
         limit: u32,
     ) -> Result<Vec<DeadLetter>, StoreError>;
 
-    /// Deletes processed rows older than `older_than`, `batch_size` rows per transaction, one
-    /// instance at a time (PostgreSQL: an advisory lock; another instance's run makes this one
-    /// return at once with [`CleanupReport::skipped_locked`]). Dead-lettered rows are kept.
-    /// `progress` is called after each batch with the rows deleted so far. Use
-    /// [`Cleanup`](crate::Cleanup) rather than calling this in a loop of your own.
+    /// Deletes processed rows older than `older_than`, in batches (transactions) sized and
+    /// spaced by `pace`, one instance at a time (PostgreSQL and MySQL: a session lock; another
+    /// instance's run makes this one return at once with [`CleanupReport::skipped_locked`]).
+    /// Dead-lettered rows are kept. `progress` is called after each batch with the rows deleted
+    /// so far. Use [`Cleanup`](crate::Cleanup) rather than calling this in a loop of your own.
     async fn cleanup_with_progress(
         &self,
         older_than: Duration,
-        batch_size: u32,
+        pace: CleanupPace,
         progress: &(dyn Fn(u64) + Send + Sync),
     ) -> Result<CleanupReport, StoreError>;
 
-    /// [`cleanup_with_progress`](Self::cleanup_with_progress) without progress.
+    /// [`cleanup_with_progress`](Self::cleanup_with_progress), unpaced batches of `batch_size`
+    /// rows, without progress.
     async fn cleanup(
         &self,
         older_than: Duration,
         batch_size: u32,
     ) -> Result<CleanupReport, StoreError> {
-        self.cleanup_with_progress(older_than, batch_size, &|_| {})
+        self.cleanup_with_progress(older_than, CleanupPace::unpaced(batch_size), &|_| {})
             .await
     }
 
@@ -577,4 +684,63 @@ pub(crate) mod migrate {
         }};
     }
     pub(crate) use apply;
+}
+
+#[cfg(all(test, any(feature = "postgres", feature = "mysql", feature = "sqlite")))]
+mod pacing {
+    use std::time::Duration;
+
+    use super::{CleanupPace, Pacer};
+
+    /// Batches one at a time under tokio's paused clock: `took` is what the batch "lasted".
+    async fn batch(
+        pacer: &mut Pacer,
+        deleted: impl FnOnce(u32) -> u64,
+        took: Duration,
+    ) -> (u32, bool, Duration) {
+        let rows = pacer.rows();
+        tokio::time::advance(took).await;
+        let before = tokio::time::Instant::now();
+        let last = pacer.batch_done(deleted(rows)).await;
+        (rows, last, before.elapsed())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn paced_batches_grow_shrink_and_rest() {
+        let ms = Duration::from_millis;
+        let mut pacer = Pacer::new(CleanupPace::paced(2_000, ms(20), 4.0));
+        let full = |rows: u32| u64::from(rows);
+        // Starts small; a fast batch doubles the next, and rests 4 times its length.
+        assert_eq!(batch(&mut pacer, full, ms(5)).await, (500, false, ms(20)));
+        assert_eq!(batch(&mut pacer, full, ms(5)).await, (1_000, false, ms(20)));
+        // Never past the most rows.
+        assert_eq!(
+            batch(&mut pacer, full, ms(10)).await,
+            (2_000, false, ms(40))
+        );
+        assert_eq!(batch(&mut pacer, full, ms(1)).await.0, 2_000);
+        // A slow batch halves the next at most.
+        assert_eq!(
+            batch(&mut pacer, full, ms(400)).await,
+            (2_000, false, ms(1_600))
+        );
+        assert_eq!(batch(&mut pacer, full, ms(20)).await.0, 1_000);
+        // Fewer rows than asked: the last batch, no rest.
+        assert_eq!(
+            batch(&mut pacer, |r| u64::from(r) - 1, ms(20)).await,
+            (1_000, true, ms(0))
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn unpaced_batches_are_full_and_back_to_back() {
+        let mut pacer = Pacer::new(CleanupPace::unpaced(10_000));
+        for _ in 0..3 {
+            let (rows, last, rested) =
+                batch(&mut pacer, u64::from, Duration::from_millis(50)).await;
+            assert_eq!((rows, last, rested), (10_000, false, Duration::ZERO));
+        }
+        assert_eq!(CleanupPace::paced(0, Duration::ZERO, f64::NAN).rest, 0.0);
+        assert_eq!(CleanupPace::unpaced(0).max_rows, 1);
+    }
 }

@@ -26,8 +26,8 @@ use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlPoolOptions};
 use sqlx::{MySql, MySqlPool};
 
 use super::{
-    Claim, CleanupReport, ConsumerStats, DeadLetter, InboxAdmin, InboxStore, LockedSession,
-    storable_error, store_error,
+    Claim, CleanupPace, CleanupReport, ConsumerStats, DeadLetter, InboxAdmin, InboxStore,
+    LockedSession, Pacer, storable_error, store_error,
 };
 use crate::error::StoreError;
 use crate::id::{ConsumerName, MessageId};
@@ -626,7 +626,7 @@ impl InboxAdmin for MySqlStore {
     async fn cleanup_with_progress(
         &self,
         older_than: Duration,
-        batch_size: u32,
+        pace: CleanupPace,
         progress: &(dyn Fn(u64) + Send + Sync),
     ) -> Result<CleanupReport, StoreError> {
         let Some(mut held) = self.lock_session(CLEANUP_LOCK, Duration::ZERO).await? else {
@@ -636,10 +636,11 @@ impl InboxAdmin for MySqlStore {
             });
         };
         let conn = held.0.as_mut().expect("locked");
-        let batch = u64::from(batch_size.max(1));
+        let mut pacer = Pacer::new(pace);
         let mut report = CleanupReport::default();
         let result: Result<(), StoreError> = async {
             loop {
+                let rows = pacer.rows();
                 // Autocommitted, one bounded batch at a time, oldest first along the
                 // processed_at index. A row a duplicate's claim holds is waited for (a claim's
                 // transaction is short); InnoDB has no SKIP LOCKED for DELETE.
@@ -656,7 +657,7 @@ impl InboxAdmin for MySqlStore {
                      ORDER BY processed_at LIMIT ?",
                 )
                 .bind(older_than.as_micros().min(i64::MAX as u128) as i64)
-                .bind(batch)
+                .bind(rows)
                 .execute(&mut *tx)
                 .await
                 .map_err(store_error)?
@@ -665,7 +666,7 @@ impl InboxAdmin for MySqlStore {
                 report.deleted += deleted;
                 report.batches += 1;
                 progress(report.deleted);
-                if deleted < batch {
+                if pacer.batch_done(deleted).await {
                     return Ok(());
                 }
             }

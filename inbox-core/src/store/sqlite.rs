@@ -9,8 +9,8 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::{Sqlite, SqlitePool};
 
 use super::{
-    Claim, CleanupReport, ConsumerStats, DeadLetter, InboxAdmin, InboxStore, storable_error,
-    store_error,
+    Claim, CleanupPace, CleanupReport, ConsumerStats, DeadLetter, InboxAdmin, InboxStore, Pacer,
+    storable_error, store_error,
 };
 use crate::error::StoreError;
 use crate::id::{ConsumerName, MessageId};
@@ -426,15 +426,16 @@ impl InboxAdmin for SqliteStore {
     async fn cleanup_with_progress(
         &self,
         older_than: Duration,
-        batch_size: u32,
+        pace: CleanupPace,
         progress: &(dyn Fn(u64) + Send + Sync),
     ) -> Result<CleanupReport, StoreError> {
         // SQLite has one writer at a time: each batch is a short write transaction, so claims
         // wait at most one batch.
         let modifier = ago(older_than);
-        let batch = i64::from(batch_size.max(1));
+        let mut pacer = Pacer::new(pace);
         let mut report = CleanupReport::default();
         loop {
+            let rows = pacer.rows();
             let deleted = sqlx::query(
                 "DELETE FROM inbox_messages WHERE rowid IN (
                     SELECT rowid FROM inbox_messages
@@ -443,7 +444,7 @@ impl InboxAdmin for SqliteStore {
                     LIMIT $2)",
             )
             .bind(&modifier)
-            .bind(batch)
+            .bind(i64::from(rows))
             .execute(&self.pool)
             .await
             .map_err(store_error)?
@@ -451,7 +452,7 @@ impl InboxAdmin for SqliteStore {
             report.deleted += deleted;
             report.batches += 1;
             progress(report.deleted);
-            if deleted < batch as u64 {
+            if pacer.batch_done(deleted).await {
                 return Ok(report);
             }
         }
