@@ -28,6 +28,28 @@ conformance_suite!(
     whole_batches
 );
 
+/// Each partition's records handled in publish order: per message, in batches (split by
+/// partition into lanes, several batches in flight) and with a batch handler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_key_is_handled_in_order_in_every_mode() {
+    conformance::init_tracing();
+    let db = std::sync::Arc::new(conformance::stores::Postgres);
+    for (batched, whole) in [(false, false), (true, false), (true, true)] {
+        conformance::BATCHED
+            .scope(
+                batched,
+                conformance::WHOLE_BATCHES.scope(
+                    whole,
+                    conformance::an_ordered_transport_keeps_each_key_in_order(
+                        &Kafka { ordered: true },
+                        &db,
+                    ),
+                ),
+            )
+            .await;
+    }
+}
+
 conformance::outbox_suite!(outbox_kafka_postgres, Kafka { ordered: true }, async {
     conformance::stores::Postgres
 });
