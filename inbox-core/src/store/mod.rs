@@ -114,9 +114,9 @@ pub struct CleanupReport {
 /// How a cleanup sizes and spaces its batches: what keeps the consumers' claims from feeling it.
 ///
 /// A batch's `DELETE` competes with the claims for the database's CPU and its WAL (or redo log)
-/// flushes; a claim that lands in one waits longer. Short batches with rests between them keep
-/// the claims that land in one few and their wait short; the price is a slower cleanup (a rest of
-/// 4× the batch time deletes at a fifth of the unpaced rate).
+/// flushes; a claim that lands in one waits longer. Short batches with rests between them make
+/// the claims that land in one fewer and their wait shorter; the price is a slower cleanup (a
+/// rest of 4× the batch time deletes at a fifth of the unpaced rate).
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
 pub struct CleanupPace {

@@ -32,7 +32,7 @@ pub struct PostgresStore {
     /// (the one-trip claim runs between them and the `BEGIN`).
     prelude: std::borrow::Cow<'static, str>,
     /// Whether a message seen for the first time is claimed with the `BEGIN`, in one round trip.
-    /// Off for good once the database lacks the claim's function (migrations not run).
+    /// Off for good once that fails in a way retrying cannot fix (migrations not run).
     claim_with_begin: Arc<AtomicBool>,
 }
 
@@ -64,7 +64,7 @@ impl PostgresStore {
     }
 
     /// Whether a message the consumer has no sign of having seen before is claimed in the same
-    /// round trip as its `BEGIN` (on by default). That saves one of the four round trips a
+    /// round trip as its `BEGIN` (on by default). That saves one of the five round trips a
     /// message costs (`BEGIN`, claim, the handler's write, the liveness check, `COMMIT`).
     ///
     /// The `BEGIN` cannot carry parameters or return rows, so the claim goes with it as a call
