@@ -44,7 +44,7 @@ use inbox::memory::MemoryBroker;
 use inbox::outbox::Outbox;
 use inbox::transport::{AckToken, Capabilities, Delivery, DeliveryStream, Subscription};
 use inbox::{
-    BatchError, BatchHandler, Batching, CancellationToken, Consumer, ConsumerName, Handler,
+    BatchError, BatchHandler, Batching, CancellationToken, Consumer, ConsumerName, Dedup, Handler,
     HandlerError, Headers, InboxAdmin, InboxStore, Message, MySqlStore, MySqlTx, OutgoingMessage,
     PgTx, PostgresStore, Transport, TransportError, async_trait,
 };
@@ -544,10 +544,19 @@ async fn inbox_mode<S: BenchStore>(
 where
     BenchHandler: Handler<S::Tx>,
 {
-    inbox_mode_with(name, target, store, args, batch, copies, false).await
+    inbox_mode_with(
+        name,
+        target,
+        store,
+        args,
+        batch,
+        copies,
+        (false, Dedup::Ids),
+    )
+    .await
 }
 
-/// [`inbox_mode`], with the handler in its batch form when `whole`.
+/// [`inbox_mode`], with the handler in its batch form when `whole`, copies told by `dedup`.
 async fn inbox_mode_with<S: BenchStore>(
     name: &'static str,
     target: &Target,
@@ -555,7 +564,7 @@ async fn inbox_mode_with<S: BenchStore>(
     args: &Args,
     batch: Option<Batching>,
     copies: bool,
-    whole: bool,
+    (whole, dedup): (bool, Dedup),
 ) -> Result<Measured, Error>
 where
     BenchHandler: Handler<S::Tx>,
@@ -572,7 +581,8 @@ where
             whole,
         },
     )
-    .concurrency(args.concurrency);
+    .concurrency(args.concurrency)
+    .dedup(dedup);
     if let Some(batch) = batch {
         consumer = consumer.batch(batch);
     }
@@ -594,6 +604,8 @@ where
     Ok(Measured {
         name,
         mode: match (batch, copies) {
+            (Some(_), _) if dedup != Dedup::Ids => "kafka_offsets",
+            (None, _) if dedup != Dedup::Ids => "kafka_offsets_per_message",
             (Some(_), _) if whole => "batch_handler",
             (Some(_), _) => "batch",
             (None, true) => "copies",
@@ -1711,9 +1723,34 @@ async fn bench(args: Args) -> Result<(), Error> {
             &args,
             Some(Batching::new(100, Duration::from_millis(5))),
             false,
-            true,
+            (true, Dedup::Ids),
         )
         .await?;
+        // Offsets mode where the transport has log positions (Kafka): batch mode as above,
+        // copies told by each partition's kept offset, no row per message; and per message.
+        let by_offsets = if t.transport.capabilities().log_positions {
+            let offsets = |name, batch| {
+                inbox_mode_with(
+                    name,
+                    t,
+                    &store,
+                    &args,
+                    batch,
+                    false,
+                    (false, Dedup::Offsets),
+                )
+            };
+            Some((
+                offsets(
+                    "offsets batch (100, 5 ms)",
+                    Some(Batching::new(100, Duration::from_millis(5))),
+                )
+                .await?,
+                offsets("offsets per message", None).await?,
+            ))
+        } else {
+            None
+        };
         let plain = no_inbox(t, &args, &pool, false).await?;
         let naive_rate = naive("naive check-then-insert", t, &args, (false, false), &pool).await?;
         let inbox_copies =
@@ -1749,6 +1786,9 @@ async fn bench(args: Args) -> Result<(), Error> {
         ];
         if let Some((no_inbox_ordered, naive_ordered)) = &ordered_baselines {
             shown.extend([no_inbox_ordered, naive_ordered]);
+        }
+        if let Some((offsets_batch, offsets_per_message)) = &by_offsets {
+            shown.extend([offsets_batch, offsets_per_message]);
         }
         for m in shown {
             rows.push(m.row(t.name));
@@ -1804,6 +1844,18 @@ async fn bench(args: Args) -> Result<(), Error> {
                 "per message / naive, ordered",
                 ratio(&per_message, naive_ordered),
                 1.2,
+            );
+        }
+        if let Some((offsets_batch, offsets_per_message)) = &by_offsets {
+            line(
+                "offsets batch / batch (by id)",
+                ratio(offsets_batch, &batched),
+                1.5,
+            );
+            line(
+                "offsets per message / per message",
+                ratio(offsets_per_message, &per_message),
+                1.0,
             );
         }
         println!(

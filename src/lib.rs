@@ -5,7 +5,7 @@
 pub use inbox_core::{
     AfterCommit, BatchError, BatchHandler, Batched, Batching, BoxError, CancellationToken, Cleanup,
     CleanupPace, CleanupReport, Consumer, ConsumerError, ConsumerName, ConsumerReport,
-    DEFAULT_ID_HEADER, ErrorKind, Handler, HandlerError, Headers, IdStrategy, InboxAdmin,
+    DEFAULT_ID_HEADER, Dedup, ErrorKind, Handler, HandlerError, Headers, IdStrategy, InboxAdmin,
     InboxStore, InvalidName, MAX_CONSUMER_NAME_BYTES, MAX_MESSAGE_ID_BYTES, Message, MessageId,
     OutgoingMessage, RetryPolicy, StoreError, TRACEPARENT, TraceParent, Transport, TransportError,
     async_trait, error_chain, redact_url,
@@ -41,7 +41,10 @@ pub use inbox_core::outbox;
 /// For implementing a transport: what a broker's crate implements besides
 /// [`Transport`], and what the engine hands it.
 pub mod transport {
-    pub use inbox_core::{AckToken, Capabilities, Delivery, DeliveryStream, Subscription};
+    pub use inbox_core::{
+        AckToken, Capabilities, Delivery, DeliveryStream, LogPosition, OffsetSource, Offsets,
+        Subscription,
+    };
 }
 
 /// For implementing or inspecting a store: besides [`InboxStore`], what a
@@ -53,7 +56,7 @@ pub mod store {
         doc(cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite")))
     )]
     pub use inbox_core::store::release_clean;
-    pub use inbox_core::store::{Claim, ConsumerStats, DeadLetter, MAX_ERROR_CHARS};
+    pub use inbox_core::store::{Claim, ConsumerStats, DeadLetter, MAX_ERROR_CHARS, OffsetClaim};
 }
 
 /// The in-process broker: at-least-once semantics and deterministic fault injection.

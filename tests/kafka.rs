@@ -28,6 +28,240 @@ conformance_suite!(
     whole_batches
 );
 
+// Offsets mode with ids (`Dedup::OffsetsAndIds`): every scenario, producer duplicates too.
+conformance_suite!(
+    kafka_postgres_offsets_and_ids,
+    Kafka { ordered: true },
+    async { conformance::stores::Postgres },
+    dedup = OffsetsAndIds
+);
+// Offsets mode alone: each partition's next offset in `inbox_offsets`, no row per message; the
+// scenarios without producer duplicates, per message, in batches and with a batch handler; and
+// a few per message on MariaDB and SQLite.
+conformance::offsets_suite!(kafka_postgres_offsets, Kafka { ordered: true }, async {
+    conformance::stores::Postgres
+});
+conformance::offsets_suite!(
+    kafka_postgres_offsets_batched,
+    Kafka { ordered: true },
+    async { conformance::stores::Postgres },
+    batched = true,
+    whole = false
+);
+conformance::offsets_suite!(
+    kafka_postgres_offsets_whole_batches,
+    Kafka { ordered: true },
+    async { conformance::stores::Postgres },
+    batched = true,
+    whole = true
+);
+conformance::offsets_suite!(
+    kafka_mysql_offsets,
+    Kafka { ordered: true },
+    async { conformance::stores::MySql },
+    only = [
+        killed_and_restarted,
+        failing_handler_is_retried_then_succeeds,
+        invalid_ids_are_dead_lettered,
+        producer_duplicates_by_dedup_mode,
+    ]
+);
+conformance::offsets_suite!(
+    kafka_sqlite_offsets,
+    Kafka { ordered: true },
+    async { conformance::stores::Sqlite },
+    only = [
+        killed_and_restarted,
+        failing_handler_is_retried_then_succeeds,
+        invalid_ids_are_dead_lettered,
+        producer_duplicates_by_dedup_mode,
+    ]
+);
+
+/// Offsets mode: a partition starts where the database says, not where the broker's committed
+/// offset is — past records the database has (committed before a crash kept the broker from
+/// hearing of them: skipped unread), and back to records it lacks (a database restored from a
+/// backup: handled again). The broker learns the position, so its lag is right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kept_offset_decides_where_a_partition_starts() {
+    use inbox::kafka::{KafkaConfig, KafkaTransport};
+    use inbox::{Dedup, InboxStore};
+    use std::sync::Arc;
+
+    conformance::init_tracing();
+    let db = Arc::new(conformance::stores::Postgres);
+    let s =
+        conformance::Scenario::new(&Kafka { ordered: true }, &db, inbox::memory::Faults::none())
+            .await;
+    // One partition: its offsets are the publish order.
+    let one =
+        KafkaTransport::new(KafkaConfig::new(conformance::services::kafka_brokers()).partitions(1))
+            .unwrap();
+    one.create_topics(&[&s.source]).await.unwrap();
+    let name = s.name("kept");
+    let ids: Vec<String> = (0..10).map(|i| s.id(i)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    let keep = |next: i64| {
+        let (store, name, source) = (s.store.clone(), name.clone(), s.source.clone());
+        async move {
+            let mut tx = store.begin().await.unwrap();
+            store
+                .claim_offsets(&mut tx, &name, &source, 0, (0, 0))
+                .await
+                .unwrap();
+            store
+                .set_next_offset(&mut tx, &name, &source, 0, next)
+                .await
+                .unwrap();
+            store.commit(tx).await.unwrap();
+        }
+    };
+    // Records 0..=3 handled and committed to the database, the broker not told.
+    keep(4).await;
+    let script = Arc::new(conformance::Script::default());
+    let consumer = conformance::DEDUP
+        .scope(Dedup::Offsets, async { s.consumer(&name, &script) })
+        .await;
+    let running = conformance::Running::start(&consumer, 1);
+    s.wait_for(&[&name], 6).await;
+    running.stop().await;
+    let effects = s.effects().await;
+    for (i, id) in ids.iter().enumerate() {
+        let n = effects
+            .get(&(name.to_string(), id.clone()))
+            .copied()
+            .unwrap_or(0);
+        assert_eq!(n, i64::from(i >= 4), "{id} (offset {i})");
+    }
+    let report = consumer.report();
+    assert_eq!(
+        (report.processed, report.duplicates_discarded),
+        (6, 0),
+        "the records before the kept offset are skipped unread: {report:?}"
+    );
+    assert_eq!(
+        s.store.next_offset(&name, &s.source, 0).await.unwrap(),
+        Some(10)
+    );
+
+    // The database restored to a backup taken after record 6: 7..=9 are handled again once a
+    // record arrives (the partition's start is looked up at its first record).
+    keep(7).await;
+    let running = conformance::Running::start(&consumer, 1);
+    let late = s.id(10);
+    s.publish(&late, 10).await;
+    s.wait_for(&[&name], 6 + 4).await;
+    running.stop().await;
+    let effects = s.effects().await;
+    for (i, id) in ids.iter().chain([&late]).enumerate() {
+        let n = effects
+            .get(&(name.to_string(), id.clone()))
+            .copied()
+            .unwrap_or(0);
+        let expected = match i {
+            0..=3 => 0,
+            4..=6 => 1,
+            7..=9 => 2,
+            _ => 1,
+        };
+        assert_eq!(n, expected, "{id} (offset {i})");
+    }
+    assert_eq!(
+        s.store.next_offset(&name, &s.source, 0).await.unwrap(),
+        Some(11)
+    );
+}
+
+/// Offsets mode in batches: a record that fails goes the per-message way after its batch, and
+/// shutdown comes while it waits for its next try. It is handed back, and so are the later
+/// records of its partition — none is handled before it, or the kept offset would pass it. After
+/// a restart every record is handled once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_handed_back_at_shutdown_holds_back_its_partition() {
+    use inbox::kafka::{KafkaConfig, KafkaTransport};
+    use inbox::{Dedup, HandlerError, InboxStore, RetryPolicy};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    conformance::init_tracing();
+    let db = Arc::new(conformance::stores::Postgres);
+    let s =
+        conformance::Scenario::new(&Kafka { ordered: true }, &db, inbox::memory::Faults::none())
+            .await;
+    let one =
+        KafkaTransport::new(KafkaConfig::new(conformance::services::kafka_brokers()).partitions(1))
+            .unwrap();
+    one.create_topics(&[&s.source]).await.unwrap();
+    let name = s.name("held");
+    let ids: Vec<String> = (0..10).map(|i| s.id(i)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    // Record 3 fails (transiently) until the fix is deployed.
+    let broken = Arc::new(AtomicBool::new(true));
+    let failing = ids[3].clone();
+    let script = Arc::new(conformance::Script {
+        hook: Some({
+            let (broken, failing) = (Arc::clone(&broken), failing.clone());
+            Arc::new(move |id: String, _call| {
+                let fail = id == failing && broken.load(Ordering::SeqCst);
+                Box::pin(async move {
+                    if fail {
+                        Err(HandlerError::transient("the carrier's API is down"))
+                    } else {
+                        Ok(())
+                    }
+                })
+            })
+        }),
+        ..conformance::Script::default()
+    });
+    let consumer = conformance::DEDUP
+        .scope(
+            Dedup::Offsets,
+            conformance::BATCHED.scope(true, async { s.consumer(&name, &script) }),
+        )
+        .await
+        .retry(
+            RetryPolicy::default()
+                .with_max_attempts(1000)
+                .with_delays(Duration::from_secs(30), Duration::from_secs(30)),
+        );
+    let running = conformance::Running::start(&consumer, 1);
+    conformance::eventually("record 3 tried (its next try is 30 s away)", || async {
+        match script.calls(&failing) {
+            n if n >= 1 => Ok(()),
+            n => Err(format!("{n} calls")),
+        }
+    })
+    .await;
+    running.stop().await;
+    let effects = s.effects().await;
+    let handled: Vec<&String> = ids
+        .iter()
+        .filter(|id| effects.contains_key(&(name.to_string(), (*id).clone())))
+        .collect();
+    assert_eq!(
+        handled,
+        ids[..3].iter().collect::<Vec<_>>(),
+        "handled before shutdown"
+    );
+    assert_eq!(
+        s.store.next_offset(&name, &s.source, 0).await.unwrap(),
+        Some(3),
+        "the kept offset waits at the record handed back"
+    );
+
+    broken.store(false, Ordering::SeqCst);
+    let running = conformance::Running::start(&consumer, 1);
+    s.wait_for(&[&name], ids.len()).await;
+    running.stop().await;
+    s.assert_exactly_once(&[&name], &ids).await;
+}
+
 /// Each partition's records handled in publish order: per message, in batches (split by
 /// partition into lanes, several batches in flight) and with a batch handler.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -559,6 +559,7 @@ async fn outside_transaction(pool: &sqlx::PgPool) -> bool {
 async fn the_one_trip_claim_quotes_ids_and_falls_back_cleanly() {
     use std::time::Duration;
 
+    conformance::init_tracing();
     use conformance::stores::Postgres;
     use inbox::store::Claim;
     use inbox::{ConsumerName, InboxAdmin, InboxStore, MessageId, PostgresStore};
@@ -584,9 +585,13 @@ async fn the_one_trip_claim_quotes_ids_and_falls_back_cleanly() {
     // Calls the session has not yet reported, this transaction's among them: at least one if
     // this transaction called the function (exact for the first claim, the session's first call).
     async fn one_trip(tx: &mut inbox::PgTx) -> bool {
+        called(tx, "inbox_claim_new").await
+    }
+    async fn called(tx: &mut inbox::PgTx, function: &str) -> bool {
         let calls: i64 = sqlx::query_scalar(
-            "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_xact_user_functions WHERE funcname = 'inbox_claim_new'",
+            "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_xact_user_functions WHERE funcname = $1",
         )
+        .bind(function)
         .fetch_one(&mut **tx)
         .await
         .unwrap();
@@ -663,6 +668,51 @@ async fn the_one_trip_claim_quotes_ids_and_falls_back_cleanly() {
         .await
         .unwrap();
     assert_eq!(all, ids.len() as i64);
+
+    // Offsets mode's one-trip claim, with the topics quoted the same way.
+    for (partition, topic) in ids.iter().enumerate() {
+        let partition = partition as i32;
+        let (mut tx, found) = store
+            .begin_and_claim_offset(&consumer, topic, partition, 5)
+            .await
+            .unwrap_or_else(|e| panic!("offset claim in {topic:?}: {e}"));
+        assert_eq!(found, inbox::store::OffsetClaim::New, "{topic:?}");
+        assert!(
+            called(&mut tx, "inbox_claim_offset").await,
+            "{topic:?}: claimed in one trip"
+        );
+        store.commit(tx).await.expect("commit");
+        let (tx, found) = store
+            .begin_and_claim_offset(&consumer, topic, partition, 5)
+            .await
+            .unwrap_or_else(|e| panic!("offset claim in {topic:?} again: {e}"));
+        assert_eq!(
+            found,
+            inbox::store::OffsetClaim::Consumed { next: 6 },
+            "{topic:?}"
+        );
+        store.rollback(tx).await.unwrap();
+        assert!(
+            outside_transaction(store.pool()).await,
+            "{topic:?}: a session left in a transaction"
+        );
+        assert_eq!(
+            store
+                .next_offset(&consumer, topic, partition)
+                .await
+                .unwrap(),
+            Some(6)
+        );
+    }
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM inbox_offsets")
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    assert_eq!(
+        rows,
+        ids.len() as i64,
+        "one row per partition, nothing else"
+    );
 
     // Without the function: the usual claim, from the first message on.
     sqlx::query("DROP FUNCTION inbox_claim_new(text, text)")

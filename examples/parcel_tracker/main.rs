@@ -96,6 +96,27 @@ enum HandlerShape {
     Batch,
 }
 
+/// How the demo's consumers tell copies from new messages.
+#[derive(Clone, Copy, ValueEnum, PartialEq, Debug)]
+enum DedupArg {
+    /// A row per message id (every transport).
+    Ids,
+    /// The partition's next offset kept in the database (Kafka); misses producer duplicates.
+    Offsets,
+    /// Both (Kafka).
+    OffsetsAndIds,
+}
+
+impl From<DedupArg> for inbox::Dedup {
+    fn from(dedup: DedupArg) -> Self {
+        match dedup {
+            DedupArg::Ids => inbox::Dedup::Ids,
+            DedupArg::Offsets => inbox::Dedup::Offsets,
+            DedupArg::OffsetsAndIds => inbox::Dedup::OffsetsAndIds,
+        }
+    }
+}
+
 #[derive(Args)]
 struct ConsumeArgs {
     #[arg(long, value_enum)]
@@ -122,6 +143,10 @@ struct ConsumeArgs {
     /// With `--handler batch`: how long a batch waits to fill, in milliseconds.
     #[arg(long, default_value_t = 5)]
     batch_wait: u64,
+    /// How copies are told from new messages: `offsets` and `offsets-and-ids` keep each Kafka
+    /// partition's next offset in the database (table `inbox_offsets`).
+    #[arg(long, value_enum, env = "PARCEL_TRACKER_DEDUP", default_value = "ids")]
+    dedup: DedupArg,
     /// Fault injection for the crash harness: this fraction of committed messages stalls for
     /// ever between the commit and the ack, after printing `stalled before ack: <id>` on stderr,
     /// so that a SIGKILL lands exactly there. (A stalled process does not drain on SIGTERM.)
@@ -532,6 +557,8 @@ struct Shape {
     instances: usize,
     /// Fraction of commits that stall before the ack (fault injection).
     stall_before_ack: f64,
+    /// How copies are told from new messages.
+    dedup: inbox::Dedup,
 }
 
 /// The after-commit hook of `--stall-before-ack`.
@@ -573,7 +600,8 @@ where
                     store.clone(),
                     $handler,
                 )
-                .concurrency(shape.concurrency);
+                .concurrency(shape.concurrency)
+                .dedup(shape.dedup);
                 if let Some(batching) = shape.batches {
                     consumer = consumer.batch(batching);
                 }
@@ -669,6 +697,7 @@ async fn consume(args: ConsumeArgs) -> Result<ExitCode, Error> {
                 }),
                 instances: 1,
                 stall_before_ack: args.stall_before_ack,
+                dedup: args.dedup.into(),
             },
             token,
         )
@@ -829,6 +858,7 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, Error> {
                 batches: None,
                 instances: 2,
                 stall_before_ack: 0.0,
+                dedup: inbox::Dedup::Ids,
             };
             db.run_consumers(transport, source, Which::Both, shape, token)
                 .await

@@ -50,6 +50,10 @@ pub enum StoreError {
     /// over-long id, destination or ordering key.
     #[error("invalid input: {0}")]
     Invalid(String),
+    /// The store does not implement what was asked (permanent): a store of another crate without
+    /// offsets mode, say.
+    #[error("not supported by this store: {0}")]
+    Unsupported(&'static str),
 }
 
 impl StoreError {
@@ -59,9 +63,10 @@ impl StoreError {
             StoreError::Unavailable(_) | StoreError::Conflict(_) | StoreError::Aborted(_) => {
                 ErrorKind::Transient
             }
-            StoreError::Database(_) | StoreError::Migration(_) | StoreError::Invalid(_) => {
-                ErrorKind::Permanent
-            }
+            StoreError::Database(_)
+            | StoreError::Migration(_)
+            | StoreError::Invalid(_)
+            | StoreError::Unsupported(_) => ErrorKind::Permanent,
         }
     }
 
@@ -267,6 +272,12 @@ pub enum ConsumerError {
     /// run the migrations).
     #[error("inbox store failed permanently: {0}")]
     Store(#[source] StoreError),
+    /// In offsets mode, a task of the consumer panicked (a bug in this library, or an
+    /// [`after_commit`](crate::Consumer::after_commit) hook that panics): the consumer stops
+    /// rather than let a partition's later records move its kept offset past the records that
+    /// task held. Restarted, it reads them again.
+    #[error("a consumer task panicked: {0}")]
+    Panicked(String),
 }
 
 impl ConsumerError {

@@ -28,7 +28,7 @@ mod transport;
 
 pub use cleanup::Cleanup;
 pub use consumer::{
-    AfterCommit, Batching, Consumer, ConsumerReport, dead_letter_headers,
+    AfterCommit, Batching, Consumer, ConsumerReport, Dedup, dead_letter_headers,
     default_dead_letter_destination,
 };
 pub use error::{
@@ -51,9 +51,13 @@ pub use store::postgres::{PgTx, PostgresStore};
 pub use store::sqlite::{SqliteStore, SqliteTx};
 pub use store::{
     Claim, CleanupPace, CleanupReport, ConsumerStats, DeadLetter, InboxAdmin, InboxStore,
+    OffsetClaim,
 };
 pub use trace::{TRACEPARENT, TraceParent};
-pub use transport::{AckToken, Capabilities, Delivery, DeliveryStream, Subscription, Transport};
+pub use transport::{
+    AckToken, Capabilities, Delivery, DeliveryStream, LogPosition, OffsetSource, Offsets,
+    Subscription, Transport,
+};
 
 /// Re-exported so handlers and transports name the same versions.
 pub use async_trait::async_trait;

@@ -1,11 +1,12 @@
 //! What a broker must offer: deliveries that can be acked and nacked, and publishing.
 
 use std::fmt;
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use futures::stream::BoxStream;
 
-use crate::error::TransportError;
+use crate::error::{StoreError, TransportError};
 use crate::id::ConsumerName;
 use crate::message::{Headers, OutgoingMessage};
 
@@ -54,6 +55,11 @@ pub trait Delivery: Send + Sync + fmt::Debug {
     fn coordinates(&self) -> Option<String> {
         None
     }
+    /// The record's place in a partitioned log (Kafka), which offsets mode
+    /// ([`Dedup::Offsets`](crate::Dedup)) dedups by. `None` where the broker has no such log.
+    fn log_position(&self) -> Option<LogPosition<'_>> {
+        None
+    }
     /// Deliveries with the same key are handled one after another, in delivery order (Kafka:
     /// the partition). `None`: no order to keep.
     fn ordering_key(&self) -> Option<&str> {
@@ -84,6 +90,10 @@ pub struct Capabilities {
     /// Header values may be any bytes (AMQP, Kafka). Without it (NATS: headers are text), a
     /// message with a header value that is not UTF-8 cannot be published.
     pub binary_headers: bool,
+    /// Deliveries carry [log positions](Delivery::log_position), and a subscription with
+    /// [`Subscription::offsets`] starts each partition it is assigned at the offset kept there
+    /// (Kafka): what offsets mode needs.
+    pub log_positions: bool,
 }
 
 impl Capabilities {
@@ -95,6 +105,7 @@ impl Capabilities {
             coordinates: false,
             ordered: false,
             binary_headers: true,
+            log_positions: false,
         }
     }
 
@@ -122,6 +133,12 @@ impl Capabilities {
         self
     }
 
+    /// Sets `log_positions`.
+    pub const fn with_log_positions(mut self, yes: bool) -> Self {
+        self.log_positions = yes;
+        self
+    }
+
     /// Sets `binary_headers`.
     pub const fn with_binary_headers(mut self, yes: bool) -> Self {
         self.binary_headers = yes;
@@ -134,7 +151,7 @@ impl Capabilities {
 /// `source` is a topic (Kafka topic, RabbitMQ exchange, memory topic). Every consumer name gets
 /// every message of the source once (its own queue or consumer group); instances that share a
 /// consumer name compete for the messages.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct Subscription {
     /// The topic to consume.
@@ -149,6 +166,58 @@ pub struct Subscription {
     /// ([`RetryPolicy::max_deliveries`](crate::RetryPolicy)): a broker's own delivery limit
     /// must stay above it, or the broker would stop delivering a message without a dead letter.
     pub max_deliveries: Option<u32>,
+    /// Offsets mode: where the consumer keeps the next offset of each partition it reads. A
+    /// transport with [`Capabilities::log_positions`] starts a partition it is assigned there
+    /// rather than at the broker's committed offset.
+    pub offsets: Option<Offsets>,
+}
+
+/// A record's place in a partitioned log: topic, partition, offset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct LogPosition<'a> {
+    /// The topic.
+    pub topic: &'a str,
+    /// The partition.
+    pub partition: i32,
+    /// The record's offset.
+    pub offset: i64,
+}
+
+impl<'a> LogPosition<'a> {
+    /// The record at `offset` of `topic`'s `partition`.
+    pub fn new(topic: &'a str, partition: i32, offset: i64) -> Self {
+        Self {
+            topic,
+            partition,
+            offset,
+        }
+    }
+}
+
+/// Reads the next offset a consumer keeps for a partition (offsets mode): what a transport
+/// seeks to when it is assigned the partition.
+#[async_trait]
+pub trait OffsetSource: Send + Sync {
+    /// The offset of the next record to handle in `topic`'s `partition`; `None` when nothing is
+    /// kept for it (the broker's committed offset then decides).
+    async fn next_offset(&self, topic: &str, partition: i32) -> Result<Option<i64>, StoreError>;
+}
+
+/// A shared [`OffsetSource`], as a [`Subscription`] carries it.
+#[derive(Clone)]
+pub struct Offsets(pub Arc<dyn OffsetSource>);
+
+impl fmt::Debug for Offsets {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Offsets(..)")
+    }
+}
+
+impl PartialEq for Offsets {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 impl Subscription {
@@ -160,6 +229,7 @@ impl Subscription {
             prefetch,
             dead_letter: None,
             max_deliveries: None,
+            offsets: None,
         }
     }
 

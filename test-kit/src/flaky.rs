@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use inbox::store::{Claim, ConsumerStats, DeadLetter};
+use inbox::store::{Claim, ConsumerStats, DeadLetter, OffsetClaim};
 use inbox::{
     CleanupPace, CleanupReport, ConsumerName, InboxAdmin, InboxStore, MessageId, StoreError,
 };
@@ -43,6 +43,10 @@ pub enum Method {
     NoteDelivery,
     /// `revive`: a dead letter made claimable again (replay).
     Revive,
+    /// `claim_offsets`: offsets mode's claim of a partition's records.
+    ClaimOffsets,
+    /// `set_next_offset`: a batch's partition offset set back to its first unfinished record.
+    SetNextOffset,
 }
 
 /// What an injected fault does.
@@ -234,6 +238,43 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
     ) -> Result<Vec<Claim>, StoreError> {
         self.enter(Method::ClaimBatch, None)?;
         self.inner.claim_batch(tx, consumer, ids).await
+    }
+
+    async fn claim_offsets(
+        &self,
+        tx: &mut S::Tx,
+        consumer: &ConsumerName,
+        topic: &str,
+        partition: i32,
+        range: (i64, i64),
+    ) -> Result<OffsetClaim, StoreError> {
+        self.enter(Method::ClaimOffsets, None)?;
+        self.inner
+            .claim_offsets(tx, consumer, topic, partition, range)
+            .await
+    }
+
+    async fn set_next_offset(
+        &self,
+        tx: &mut S::Tx,
+        consumer: &ConsumerName,
+        topic: &str,
+        partition: i32,
+        next: i64,
+    ) -> Result<(), StoreError> {
+        self.enter(Method::SetNextOffset, None)?;
+        self.inner
+            .set_next_offset(tx, consumer, topic, partition, next)
+            .await
+    }
+
+    async fn next_offset(
+        &self,
+        consumer: &ConsumerName,
+        topic: &str,
+        partition: i32,
+    ) -> Result<Option<i64>, StoreError> {
+        self.inner.next_offset(consumer, topic, partition).await
     }
 
     fn max_batch(&self) -> Option<usize> {

@@ -42,7 +42,18 @@ tokio::task_local! {
     /// Set by `conformance_suite!(…, whole_batches)`: in batch mode, the test handler handles
     /// each batch in one call (a `BatchHandler`), not one message per savepoint.
     pub static WHOLE_BATCHES: bool;
+    /// Set by `conformance_suite!(…, dedup = …)` and `offsets_suite!`: how the scenarios'
+    /// consumers tell copies from new messages.
+    pub static DEDUP: inbox::Dedup;
 }
+
+/// How this scenario's consumers dedup (default: by id).
+pub fn dedup() -> inbox::Dedup {
+    DEDUP.try_with(|d| *d).unwrap_or_default()
+}
+
+#[doc(hidden)]
+pub use inbox::Dedup as __Dedup;
 
 /// The suite macro's modes: batch mode, and whole batches (given alone: batch mode only).
 #[doc(hidden)]
@@ -225,7 +236,7 @@ macro_rules! outbox_suite {
         mod $module {
             #[allow(unused_imports)]
             use super::*;
-            $crate::conformance_suite!(@tests $brokers, $db, false;
+            $crate::conformance_suite!(@tests $brokers, $db, false, Ids;
                 outbox_publishes_committed_rows_once,
                 outbox_relays_share_the_work,
                 outbox_relay_dies_between_publish_and_mark,
@@ -253,10 +264,24 @@ macro_rules! conformance_suite {
         $crate::conformance_suite!($module, $brokers, $db, batched = true, whole = true);
     };
     ($module:ident, $brokers:expr, $db:expr, batched = $batched:expr, whole = $whole:expr) => {
+        $crate::conformance_suite!(
+            $module, $brokers, $db, batched = $batched, whole = $whole, dedup = Ids
+        );
+    };
+    // Offsets mode with ids (`Dedup::OffsetsAndIds`): every scenario, producer duplicates too.
+    ($module:ident, $brokers:expr, $db:expr, dedup = $dedup:ident) => {
+        $crate::conformance_suite!(
+            $module, $brokers, $db, batched = false, whole = false, dedup = $dedup
+        );
+    };
+    (
+        $module:ident, $brokers:expr, $db:expr,
+        batched = $batched:expr, whole = $whole:expr, dedup = $dedup:ident
+    ) => {
         mod $module {
             #[allow(unused_imports)]
             use super::*;
-            $crate::conformance_suite!(@tests $brokers, $db, ($batched, $whole);
+            $crate::conformance_suite!(@tests $brokers, $db, ($batched, $whole), $dedup;
                 exactly_once_under_duplicates,
                 crash_before_ack_leaves_one_effect,
                 killed_and_restarted,
@@ -278,23 +303,65 @@ macro_rules! conformance_suite {
                 store_faults_neither_wedge_nor_stop,
                 dead_letters_the_broker_refuses_wait,
                 store_bookkeeping_answers,
+                store_keeps_offsets_monotone,
+                producer_duplicates_by_dedup_mode,
             );
         }
     };
-    (@tests $brokers:expr, $db:expr, $batched:expr; $($scenario:ident),* $(,)?) => {
+    (@tests $brokers:expr, $db:expr, $batched:expr, $dedup:ident; $($scenario:ident),* $(,)?) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $scenario() {
                 $crate::init_tracing();
                 let db = std::sync::Arc::new($db.await);
                 let (batched, whole): (bool, bool) = $crate::modes($batched);
-                $crate::BATCHED
+                let brokers = $brokers;
+                let scenario = $crate::WHOLE_BATCHES.scope(whole, $crate::$scenario(&brokers, &db));
+                $crate::DEDUP
                     .scope(
-                        batched,
-                        $crate::WHOLE_BATCHES.scope(whole, $crate::$scenario(&$brokers, &db)),
+                        $crate::__Dedup::$dedup,
+                        $crate::BATCHED.scope(batched, scenario),
                     )
                     .await;
             }
         )*
+    };
+}
+
+/// The scenarios that hold in offsets mode alone (`Dedup::Offsets`), on a transport with log
+/// positions: all but those whose producer sends a message twice, which offsets alone do not
+/// catch (`producer_duplicates_by_dedup_mode` shows it).
+#[macro_export]
+macro_rules! offsets_suite {
+    ($module:ident, $brokers:expr, $db:expr) => {
+        $crate::offsets_suite!($module, $brokers, $db, batched = false, whole = false);
+    };
+    // A few of them (another store: the store's own claim is `store_keeps_offsets_monotone`'s).
+    ($module:ident, $brokers:expr, $db:expr, only = [$($scenario:ident),* $(,)?]) => {
+        mod $module {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::conformance_suite!(@tests $brokers, $db, (false, false), Offsets; $($scenario),*);
+        }
+    };
+    ($module:ident, $brokers:expr, $db:expr, batched = $batched:expr, whole = $whole:expr) => {
+        mod $module {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::conformance_suite!(@tests $brokers, $db, ($batched, $whole), Offsets;
+                crash_before_ack_leaves_one_effect,
+                killed_and_restarted,
+                failing_handler_is_retried_then_succeeds,
+                invalid_ids_are_dead_lettered,
+                shutdown_drains_in_flight,
+                an_instance_joins_mid_stream,
+                crash_looping_message_is_dead_lettered,
+                swallowed_database_errors_lose_nothing,
+                error_texts_with_nul_are_stored,
+                store_faults_neither_wedge_nor_stop,
+                dead_letters_the_broker_refuses_wait,
+                producer_duplicates_by_dedup_mode,
+            );
+        }
     };
 }

@@ -267,7 +267,8 @@ impl<D: TestDb> Scenario<D> {
         .reconnect_backoff(
             RetryPolicy::default()
                 .with_delays(Duration::from_millis(10), Duration::from_millis(200)),
-        );
+        )
+        .dedup(crate::dedup());
         if crate::batched() {
             consumer.batch(inbox::Batching::new(16, Duration::from_millis(5)))
         } else {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use async_trait::async_trait;
-use inbox_core::{AckToken, Delivery, Headers, OutgoingMessage, TransportError};
+use inbox_core::{AckToken, Delivery, Headers, LogPosition, OutgoingMessage, TransportError};
 use rdkafka::Message;
 use rdkafka::message::{BorrowedMessage, Headers as _};
 use tokio::sync::mpsc;
@@ -131,6 +131,10 @@ impl Delivery for KafkaDelivery {
 
     fn coordinates(&self) -> Option<String> {
         Some(format!("{}/{}/{}", self.topic, self.partition, self.offset))
+    }
+
+    fn log_position(&self) -> Option<LogPosition<'_>> {
+        Some(LogPosition::new(&self.topic, self.partition, self.offset))
     }
 
     fn ordering_key(&self) -> Option<&str> {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use inbox_core::{Delivery, TransportError};
+use inbox_core::{Delivery, Headers, Offsets, StoreError, TransportError};
 use rdkafka::consumer::{CommitMode, Consumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use tokio::sync::mpsc;
@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 use crate::delivery::{KafkaDelivery, Settlement, headers_of};
 use crate::error::{ClientError, consumer_error};
 use crate::guard::{Guard, Orphans, Sample};
-use crate::tracker::{KafkaConsumer, Tracker};
+use crate::tracker::{KafkaConsumer, Start, Tracker};
 
 pub(crate) type Item = Result<Box<dyn Delivery>, TransportError>;
 
@@ -41,7 +41,7 @@ pub(crate) async fn poll(
     sender: mpsc::Sender<Item>,
     unsettled: Arc<AtomicUsize>,
     closing: Arc<tokio::sync::watch::Sender<usize>>,
-    (ordered, guard): (bool, Option<Guard>),
+    (ordered, guard, offsets): (bool, Option<Guard>, Option<Offsets>),
 ) {
     let consumer = Arc::new(consumer);
     let mut orphans = Orphans::default();
@@ -60,6 +60,9 @@ pub(crate) async fn poll(
     let mut streaming = true;
     // Once an error that ends the stream is queued, nothing more is read.
     let mut ending = false;
+    // Offsets mode: a partition's first record since its assignment, held while the offset
+    // kept for the partition is read.
+    let mut starting: Option<Starting> = None;
     let mut client_errors = 0u64;
     let mut last_error_log: Option<std::time::Instant> = None;
     while streaming || outstanding > 0 {
@@ -111,28 +114,47 @@ pub(crate) async fn poll(
                     Err(e) => tracing::debug!(error = %e, "orphaned-partition check"),
                 }
             }
-            next = consumer.recv(), if streaming && !ending && pending.is_none() => {
+            started = async { (&mut starting.as_mut().expect("checked").kept).await }, if starting.is_some() => {
+                let Starting { record, rebalances, .. } = starting.take().expect("checked");
+                // A rebalance since the lookup: the record is dropped, and read again wherever
+                // the partition's new assignment starts (looked up again then).
+                if tracker.rebalances() != rebalances {
+                    continue;
+                }
+                let start = start_at(&consumer, &record, started);
+                if tracker.start(&record.topic, record.partition, start, rebalances) && start == Start::Open {
+                    pending = Some(Ok(deliver(record, &tracker, ordered, &settle, &unsettled, &mut outstanding)));
+                }
+            }
+            next = consumer.recv(), if streaming && !ending && pending.is_none() && starting.is_none() => {
                 let item = match next {
                     Ok(message) => {
                         if let Some(guard) = &guard {
                             guard.received();
                         }
-                        let (generation, first) = tracker.delivered(message.topic(), message.partition(), message.offset());
-                        outstanding += 1;
-                        unsettled.fetch_add(1, Ordering::SeqCst);
-                        Ok(Box::new(KafkaDelivery {
+                        let record = Record {
                             topic: message.topic().to_owned(),
                             partition: message.partition(),
                             offset: message.offset(),
-                            generation,
-                            ordering_key: ordered
-                                .then(|| format!("{}/{}", message.topic(), message.partition())),
                             payload: message.payload().unwrap_or_default().to_vec(),
                             headers: headers_of(&message),
-                            maybe_redelivered: first,
-                            settle: Some(settle.clone()),
-                            unsettled: Arc::clone(&unsettled),
-                        }) as Box<dyn Delivery>)
+                        };
+                        if let Some(offsets) = &offsets {
+                            match tracker.admits(&record.topic, record.partition, record.offset) {
+                                Some(true) => {}
+                                Some(false) => continue,
+                                None => {
+                                    let (source, topic, partition) = (Arc::clone(&offsets.0), record.topic.clone(), record.partition);
+                                    starting = Some(Starting {
+                                        rebalances: tracker.rebalances(),
+                                        kept: tokio::spawn(async move { source.next_offset(&topic, partition).await }),
+                                        record,
+                                    });
+                                    continue;
+                                }
+                            }
+                        }
+                        Ok(deliver(record, &tracker, ordered, &settle, &unsettled, &mut outstanding))
                     }
                     Err(e) => match consumer_error(e) {
                         ClientError::Recovers(e) => {
@@ -170,6 +192,118 @@ pub(crate) async fn poll(
     });
     let _ = closed.await;
     closing.send_modify(|n| *n -= 1);
+}
+
+/// A record as read, before it is delivered.
+struct Record {
+    topic: String,
+    partition: i32,
+    offset: i64,
+    payload: Vec<u8>,
+    headers: Headers,
+}
+
+/// Offsets mode: a partition's first record since its assignment, and the lookup of the offset
+/// kept for its partition.
+struct Starting {
+    record: Record,
+    rebalances: usize,
+    kept: tokio::task::JoinHandle<Result<Option<i64>, StoreError>>,
+}
+
+/// Registers `record` with the tracker and makes it a delivery.
+fn deliver(
+    record: Record,
+    tracker: &Tracker,
+    ordered: bool,
+    settle: &mpsc::UnboundedSender<Settlement>,
+    unsettled: &Arc<AtomicUsize>,
+    outstanding: &mut usize,
+) -> Box<dyn Delivery> {
+    let (generation, first) = tracker.delivered(&record.topic, record.partition, record.offset);
+    *outstanding += 1;
+    unsettled.fetch_add(1, Ordering::SeqCst);
+    Box::new(KafkaDelivery {
+        ordering_key: ordered.then(|| format!("{}/{}", record.topic, record.partition)),
+        topic: record.topic,
+        partition: record.partition,
+        offset: record.offset,
+        generation,
+        payload: record.payload,
+        headers: record.headers,
+        maybe_redelivered: first,
+        settle: Some(settle.clone()),
+        unsettled: Arc::clone(unsettled),
+    })
+}
+
+/// Offsets mode: where a partition starts, given its first record since the assignment and the
+/// offset kept for it; seeks there when that is another record. The database, not the broker,
+/// is the truth of what was consumed: a kept offset ahead of the broker's skips what was handled
+/// and not yet committed to the broker, one behind it goes back (the broker's offsets were moved
+/// by hand, or the database restored from a backup).
+fn start_at(
+    consumer: &KafkaConsumer,
+    record: &Record,
+    kept: Result<Result<Option<i64>, StoreError>, tokio::task::JoinError>,
+) -> Start {
+    let (topic, partition, offset) = (record.topic.as_str(), record.partition, record.offset);
+    let next = match kept {
+        Ok(Ok(Some(next))) if next != offset => next,
+        Ok(Ok(_)) => return Start::Open,
+        Ok(Err(e)) => {
+            // The claim still tells copies by their offsets; only the seek is lost.
+            tracing::warn!(error = %e, topic, partition, "could not read the kept offset; starting at the broker's");
+            return Start::Open;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, topic, partition, "could not read the kept offset; starting at the broker's");
+            return Start::Open;
+        }
+    };
+    if next < offset {
+        tracing::warn!(
+            topic,
+            partition,
+            broker = offset,
+            kept = next,
+            "the kept offset is behind the broker's; going back to it"
+        );
+    } else {
+        tracing::info!(
+            topic,
+            partition,
+            broker = offset,
+            kept = next,
+            "starting at the kept offset"
+        );
+    }
+    // Asynchronous (no timeout): records fetched before the seek are discarded by the client,
+    // and any before `next` that still come are skipped.
+    match consumer.seek(topic, partition, Offset::Offset(next), Duration::ZERO) {
+        Ok(()) => {
+            // The broker learns the position too (committed with the next auto-commit), so
+            // that lag dashboards show none for records handled before.
+            let mut list = TopicPartitionList::new();
+            if list
+                .add_partition_offset(topic, partition, Offset::Offset(next))
+                .is_ok()
+                && let Err(e) = consumer.store_offsets(&list)
+            {
+                tracing::debug!(error = %e, topic, partition, "kept offset not stored");
+            }
+            Start::At(next)
+        }
+        Err(e) if next > offset => {
+            tracing::warn!(error = %e, topic, partition, "seek failed; skipping the records before the kept offset instead");
+            Start::At(next)
+        }
+        Err(e) => {
+            // Never lost: the broker's position is past records already handled.
+            tracing::warn!(error = %e, topic, partition, "seek back failed; starting at the broker's offset");
+            Start::Open
+        }
+    }
 }
 
 /// Stores the offset a done record frees, if the contiguous done prefix of its partition grew.

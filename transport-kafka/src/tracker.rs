@@ -13,6 +13,19 @@ use rdkafka::{ClientContext, TopicPartitionList};
 pub(crate) struct Tracker {
     partitions: Mutex<HashMap<(String, i32), Lane>>,
     generation: AtomicUsize,
+    /// Offsets mode: where each partition starts since its assignment.
+    starts: Mutex<HashMap<(String, i32), Start>>,
+    /// Counts rebalances: a start looked up across one is stale.
+    rebalances: AtomicUsize,
+}
+
+/// Offsets mode: a partition's start since its assignment. No entry: not looked up yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Start {
+    /// Moved to this offset: records before it are skipped.
+    At(i64),
+    /// Its records are delivered.
+    Open,
 }
 
 /// One partition's records in delivery order, since its assignment.
@@ -67,12 +80,53 @@ impl Tracker {
     }
 
     /// Forgets partitions (revoked or newly assigned): records still in flight for them are
-    /// abandoned.
+    /// abandoned, and their starts are looked up again.
     pub(crate) fn reset(&self, list: &TopicPartitionList) {
+        self.rebalances.fetch_add(1, Ordering::SeqCst);
         let mut partitions = self.partitions.lock().unwrap_or_else(|p| p.into_inner());
+        let mut starts = self.starts.lock().unwrap_or_else(|p| p.into_inner());
         for element in list.elements() {
-            partitions.remove(&(element.topic().to_owned(), element.partition()));
+            let key = (element.topic().to_owned(), element.partition());
+            partitions.remove(&key);
+            starts.remove(&key);
         }
+    }
+
+    /// Offsets mode: what to do with a record at `offset`. `None`: its partition's start is
+    /// not known yet; `Some(true)`: deliver it; `Some(false)`: skip it (before the start).
+    pub(crate) fn admits(&self, topic: &str, partition: i32, offset: i64) -> Option<bool> {
+        let mut starts = self.starts.lock().unwrap_or_else(|p| p.into_inner());
+        let start = starts.get_mut(&(topic.to_owned(), partition))?;
+        Some(match *start {
+            Start::Open => true,
+            Start::At(at) if offset >= at => {
+                *start = Start::Open;
+                true
+            }
+            Start::At(_) => false,
+        })
+    }
+
+    /// Offsets mode: sets a partition's start, unless a rebalance came since `rebalances`
+    /// was read (then it is looked up again).
+    pub(crate) fn start(
+        &self,
+        topic: &str,
+        partition: i32,
+        start: Start,
+        rebalances: usize,
+    ) -> bool {
+        let mut starts = self.starts.lock().unwrap_or_else(|p| p.into_inner());
+        if self.rebalances.load(Ordering::SeqCst) != rebalances {
+            return false;
+        }
+        starts.insert((topic.to_owned(), partition), start);
+        true
+    }
+
+    /// Rebalances so far.
+    pub(crate) fn rebalances(&self) -> usize {
+        self.rebalances.load(Ordering::SeqCst)
     }
 }
 
@@ -118,6 +172,26 @@ mod tests {
         assert_eq!(tracker.done("t", 0, 11, g), None, "10 is not done yet");
         assert_eq!(tracker.done("t", 0, 10, g), Some(12));
         assert_eq!(tracker.done("t", 0, 13, g), Some(14));
+    }
+
+    #[test]
+    fn a_start_skips_what_comes_before_it_and_a_rebalance_forgets_it() {
+        let tracker = Tracker::default();
+        assert_eq!(tracker.admits("t", 0, 5), None, "not looked up yet");
+        let seen = tracker.rebalances();
+        assert!(tracker.start("t", 0, Start::At(7), seen));
+        assert_eq!(tracker.admits("t", 0, 5), Some(false));
+        assert_eq!(tracker.admits("t", 0, 8), Some(true), "past the start");
+        assert_eq!(tracker.admits("t", 0, 6), Some(true), "open from then on");
+        let mut list = TopicPartitionList::new();
+        list.add_partition("t", 0);
+        tracker.reset(&list);
+        assert_eq!(tracker.admits("t", 0, 9), None);
+        assert!(
+            !tracker.start("t", 0, Start::Open, seen),
+            "a start looked up before the rebalance is stale"
+        );
+        assert_eq!(tracker.admits("t", 0, 9), None);
     }
 
     #[test]

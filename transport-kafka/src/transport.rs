@@ -136,6 +136,7 @@ impl Transport for KafkaTransport {
             .with_requeue(false)
             .with_coordinates(true)
             .with_ordered(self.config.ordered)
+            .with_log_positions(true)
     }
 
     /// Waits (up to 30 s) for the consumers of ended subscriptions to commit their last stored
@@ -197,7 +198,7 @@ impl Transport for KafkaTransport {
             sender,
             Arc::clone(&self.unsettled),
             Arc::clone(&self.closing),
-            (self.config.ordered, guard),
+            (self.config.ordered, guard, subscription.offsets.clone()),
         );
         tokio::spawn(async move {
             polling.await;

@@ -10,11 +10,13 @@ use tracing::{Instrument, field};
 
 use super::Run;
 use super::decision::{self, Facts, OnClaim};
+use super::delivery::Outcome;
+use super::offsets::BatchOffsets;
 use super::tally::Event;
 use crate::error::{ConsumerError, ErrorKind, StoreError};
 use crate::handler::Handler;
 use crate::id::MessageId;
-use crate::store::InboxStore;
+use crate::store::{Claim, InboxStore};
 use crate::transport::Delivery;
 
 /// What a batch's transaction did with one of its messages.
@@ -56,13 +58,18 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
             let mut seen = HashSet::new();
             let mut held_keys = HashSet::new();
             for delivery in deliveries {
+                // Offsets mode keeps a partition's offset where its first unfinished record is:
+                // whatever goes the per-message way holds back the later records of its key, so
+                // that none of them commits before it.
+                let by_offset = self.kept_position(&*delivery).is_some();
                 let id = match self.settings.id_strategy.extract(&*delivery) {
                     Ok(id)
                         if delivery.payload().len() <= self.settings.max_payload_bytes
                             && !self.replayed_for_another(&*delivery) =>
                     {
-                        id
+                        Some(id)
                     }
+                    _ if by_offset => None,
                     _ => {
                         self.settle_delivery(delivery).await?;
                         continue;
@@ -71,16 +78,22 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
                 let held = delivery
                     .ordering_key()
                     .is_some_and(|k| held_keys.contains(k));
-                if delivery.redelivered() || held {
+                let hold = match &id {
+                    Some(id) if !delivery.redelivered() && !held => {
+                        if seen.insert(id.clone()) {
+                            ids.push(id.clone());
+                            entries.push((delivery, id.clone()));
+                            continue;
+                        }
+                        by_offset
+                    }
+                    _ => true,
+                };
+                if hold {
                     // Later messages of its key follow it, in order.
                     held_keys.extend(delivery.ordering_key().map(str::to_owned));
-                    later.push(delivery);
-                } else if seen.insert(id.clone()) {
-                    ids.push(id.clone());
-                    entries.push((delivery, id));
-                } else {
-                    later.push(delivery);
                 }
+                later.push(delivery);
             }
             if entries.is_empty() {
                 return self.settle_one_by_one(later).await;
@@ -148,8 +161,18 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
         deliveries: Vec<Box<dyn Delivery>>,
     ) -> Result<(), ConsumerError> {
         if self.transport.capabilities().ordered {
+            // A message handed back (shutdown came while it waited for a retry) takes the later
+            // messages of its key with it: none may be handled before it.
+            let mut handed_back: HashSet<String> = HashSet::new();
             for delivery in deliveries {
-                self.settle_delivery(delivery).await?;
+                let key = delivery.ordering_key().map(str::to_owned);
+                if key.as_ref().is_some_and(|k| handed_back.contains(k)) {
+                    self.hand_back(delivery).await;
+                    continue;
+                }
+                if let Outcome::HandedBack = self.settle_delivery(delivery).await? {
+                    handed_back.extend(key);
+                }
             }
             return Ok(());
         }
@@ -162,7 +185,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
         }
         let mut first_error = None;
         while let Some(result) = running.next().await {
-            if let Err(e) = result {
+            if let Err(e) = result.map(drop) {
                 first_error.get_or_insert(e);
             }
             if let Some(delivery) = waiting.next() {
@@ -179,9 +202,9 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
         ids: &[MessageId],
     ) -> Result<Vec<Fate>, StoreError> {
         let mut tx = self.store.begin().await?;
-        let claims = self
+        let (claims, offsets) = self
             .metrics
-            .time_claim(self.store.claim_batch(&mut tx, &self.name, ids))
+            .time_claim(self.claim_entries(&mut tx, entries, ids, &HashSet::new()))
             .await?;
         self.store_outage.succeeded();
         let ordered = self.transport.capabilities().ordered;
@@ -233,6 +256,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
                             .await
                             .is_ok()
                     {
+                        self.ensure_id_row(&mut tx, &**delivery, id).await?;
                         self.store
                             .record_dead_in(&mut tx, &self.name, id, attempt, &failure.reason)
                             .await?;
@@ -247,7 +271,56 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
                 }
             }
         }
+        let unfinished = entries
+            .iter()
+            .zip(&fates)
+            .filter(|(_, fate)| matches!(fate, Fate::Later))
+            .map(|((delivery, _), _)| &**delivery);
+        self.settle_batch_offsets(&mut tx, &offsets, unfinished)
+            .await?;
         self.store.commit(tx).await?;
         Ok(fates)
+    }
+
+    /// A batch transaction's claims: of the ids (one statement), of the offsets (one statement a
+    /// partition), or both; a message is new only if every claim says so. The offsets of keys in
+    /// `waiting` are not claimed: an earlier record of theirs is unfinished, and their offset
+    /// stays at it.
+    pub(super) async fn claim_entries(
+        &self,
+        tx: &mut S::Tx,
+        entries: &[(Box<dyn Delivery>, MessageId)],
+        ids: &[MessageId],
+        waiting: &HashSet<String>,
+    ) -> Result<(Vec<Claim>, BatchOffsets), StoreError> {
+        let by_offset = |(delivery, _): &(Box<dyn Delivery>, MessageId)| {
+            self.kept_position(&**delivery).is_some()
+        };
+        let mut claims = if self.settings.dedup.ids() || !entries.iter().all(by_offset) {
+            self.store.claim_batch(tx, &self.name, ids).await?
+        } else {
+            vec![
+                Claim::Claimed {
+                    attempts: 0,
+                    last_error: None,
+                };
+                entries.len()
+            ]
+        };
+        let offsets = self
+            .claim_batch_offsets(
+                tx,
+                entries
+                    .iter()
+                    .map(|(d, _)| &**d)
+                    .filter(|d| d.ordering_key().is_none_or(|k| !waiting.contains(k))),
+            )
+            .await?;
+        for ((delivery, _), claim) in entries.iter().zip(&mut claims) {
+            if offsets.consumed(delivery.log_position()) {
+                *claim = Claim::Done;
+            }
+        }
+        Ok((claims, offsets))
     }
 }

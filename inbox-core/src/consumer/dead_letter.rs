@@ -66,6 +66,7 @@ impl<S: InboxStore, H> Run<S, H> {
             return false;
         }
         let marked = async {
+            self.ensure_id_row(&mut tx, delivery, id).await?;
             self.store
                 .record_dead_in(&mut tx, &self.name, id, attempts, reason)
                 .await?;
@@ -115,6 +116,7 @@ impl<S: InboxStore, H> Run<S, H> {
                 }
             }
         }
+        self.advance_past(&*delivery).await;
         self.ack(delivery).await;
         self.count_dead_letter(&reason);
         Outcome::DeadLettered

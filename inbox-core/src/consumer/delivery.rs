@@ -57,7 +57,7 @@ fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// How one delivery ended, for the span and the logs.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Outcome {
     Processed,
     Duplicate,
@@ -80,12 +80,12 @@ impl Outcome {
 }
 
 impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
-    /// Takes one delivery to its end (acked, dead-lettered, handed back) in its span. Errors are
-    /// fatal to the run: a store that fails permanently before a claim.
+    /// Takes one delivery to its end (acked, dead-lettered, handed back) in its span; how it
+    /// ended. Errors are fatal to the run: a store that fails permanently before a claim.
     pub(super) async fn settle_delivery(
         &self,
         delivery: Box<dyn Delivery>,
-    ) -> Result<(), ConsumerError> {
+    ) -> Result<Outcome, ConsumerError> {
         let span = tracing::info_span!(
             "inbox.delivery",
             consumer = %self.name,
@@ -109,7 +109,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
             let outcome = self.claim_and_handle(delivery).await?;
             tracing::Span::current().record("outcome", outcome.as_str());
             tracing::debug!(outcome = outcome.as_str(), "delivery settled");
-            Ok(())
+            Ok(outcome)
         }
         .instrument(span)
         .await
@@ -156,6 +156,11 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
         // for ever.
         let mut unfinished = None;
         if delivery.delivery_count().is_none() && delivery.redelivered() {
+            // In offsets mode a copy of a record handled before is known by its offset: it
+            // needs no row (which nothing would ever finish).
+            if self.consumed_before(&*delivery).await {
+                return Ok(self.settle_duplicate(delivery).await);
+            }
             match self
                 .retry_store(|| self.store.record_delivery(&self.name, &id))
                 .await
@@ -180,7 +185,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
         loop {
             let claimed = self
                 .metrics
-                .time_claim(self.store.begin_and_claim(&self.name, &id, unseen))
+                .time_claim(self.begin_and_claim(&*delivery, &id, unseen))
                 .await;
             // A second try finds the first one's row (or its failure recorded).
             unseen = false;

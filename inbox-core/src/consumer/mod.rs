@@ -22,6 +22,7 @@ mod batch;
 mod dead_letter;
 mod decision;
 mod delivery;
+mod offsets;
 mod run;
 mod settings;
 mod settle;
@@ -44,7 +45,7 @@ use crate::store::InboxStore;
 use crate::transport::Transport;
 
 pub use dead_letter::{dead_letter_headers, default_dead_letter_destination};
-pub use settings::{AfterCommit, Batching};
+pub use settings::{AfterCommit, Batching, Dedup};
 pub use tally::ConsumerReport;
 
 use settings::{Hook, Settings};
@@ -251,6 +252,30 @@ impl<S: InboxStore, H: Handler<S::Tx>> Consumer<S, H> {
     /// A wrapper handler must forward `as_batch_handler`, or its batches take the savepoint way.
     pub fn batch(mut self, batching: Batching) -> Self {
         self.settings_mut().batch = Some(batching);
+        self
+    }
+
+    /// How copies are told from new messages (default [`Dedup::Ids`]).
+    ///
+    /// [`Dedup::Offsets`] keeps, per Kafka partition, the offset of the next record to handle in
+    /// the table `inbox_offsets`, written in the handler's transaction by a conditional update
+    /// that never moves it back (a revoked owner's late transaction waits for the new owner's
+    /// and then finds its records consumed). A partition's records at earlier offsets are
+    /// copies; no row is written per message (only for one that fails or may have crashed the
+    /// consumer: its attempts and dead mark live there). The transport starts each partition it
+    /// is assigned at the offset kept (the database, not the broker, is the truth of what was
+    /// consumed); offsets are still committed to the broker after the database commits, so lag
+    /// dashboards work. It needs a transport with [`Capabilities::log_positions`] that keeps
+    /// each partition in order (Kafka with `ordered`): [`run`](Self::run) refuses others.
+    ///
+    /// It does not catch a producer that sent the same message twice (two records);
+    /// [`Dedup::OffsetsAndIds`] does. The table is the consumer's position: a consumer that
+    /// leaves offsets mode and comes back later must have its rows deleted first (`DELETE FROM
+    /// inbox_offsets WHERE consumer = …`), or it would go back to where it left them.
+    ///
+    /// [`Capabilities::log_positions`]: crate::Capabilities::log_positions
+    pub fn dedup(mut self, dedup: Dedup) -> Self {
+        self.settings_mut().dedup = dedup;
         self
     }
 

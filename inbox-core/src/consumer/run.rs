@@ -95,9 +95,13 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
             .settings
             .prefetch
             .unwrap_or_else(|| u16::try_from(window).unwrap_or(u16::MAX));
-        let subscription = Subscription::new(self.source.clone(), self.name.clone(), prefetch)
+        let mut subscription = Subscription::new(self.source.clone(), self.name.clone(), prefetch)
             .with_dead_letter(self.dead_letter_destination())
             .with_max_deliveries(self.settings.retry.max_deliveries);
+        match self.subscription_offsets() {
+            Ok(offsets) => subscription.offsets = offsets,
+            Err(e) => return Some(e),
+        }
         let mut tasks = Tasks::new();
         // Ends with the run whatever ends it (a fatal error does not cancel `stop`).
         let sampling = self.stop.child_token();
@@ -191,7 +195,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
                     }
                 }
                 while let Some(done) = tasks.try_join_next() {
-                    if let Some(e) = task_failure(done) {
+                    if let Some(e) = self.task_failure(done) {
                         fatal.get_or_insert(e);
                         stop.cancel();
                     }
@@ -228,7 +232,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
                 tasks.spawn(async move {
                     let result = run.settle_delivery(delivery).await;
                     drop(permit);
-                    result
+                    result.map(drop)
                 });
             }
         }
@@ -312,7 +316,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
                     }
                     Ok(())
                 }
-                Work::One(delivery) => self.settle_delivery(delivery).await,
+                Work::One(delivery) => self.settle_delivery(delivery).await.map(drop),
                 Work::Part(part) => self.settle_batch(part).await,
             };
             drop(permit);
@@ -348,7 +352,7 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
                 None => tasks.join_next().await,
             };
             let Some(done) = next else { break };
-            if let Some(e) = task_failure(done) {
+            if let Some(e) = self.task_failure(done) {
                 fatal.get_or_insert(e);
             }
         }
@@ -394,17 +398,26 @@ async fn gather(
     (batch, None)
 }
 
-fn task_failure(
-    done: Result<Result<(), ConsumerError>, tokio::task::JoinError>,
-) -> Option<ConsumerError> {
-    match done {
-        Ok(Ok(())) => None,
-        Ok(Err(e)) => Some(e),
-        Err(join) => {
-            // Our own code panicked (handler panics are caught earlier): the delivery was dropped,
-            // so the broker redelivers it.
-            tracing::error!(error = %join, "inbox delivery task failed");
-            None
+impl<S: InboxStore, H> Run<S, H> {
+    /// The fatal error a finished task ended with, if any.
+    fn task_failure(
+        &self,
+        done: Result<Result<(), ConsumerError>, tokio::task::JoinError>,
+    ) -> Option<ConsumerError> {
+        match done {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e),
+            // Our own code panicked (handler panics are caught earlier): the deliveries it held
+            // were dropped, so the broker redelivers them. In offsets mode a lane that takes
+            // over would claim its key's later records past them: the consumer stops instead.
+            Err(join) if self.settings.dedup.offsets() => {
+                tracing::error!(error = %join, "inbox delivery task failed; stopping (offsets mode)");
+                Some(ConsumerError::Panicked(join.to_string()))
+            }
+            Err(join) => {
+                tracing::error!(error = %join, "inbox delivery task failed");
+                None
+            }
         }
     }
 }

@@ -21,6 +21,7 @@ pub(super) struct Settings {
     pub(super) batch: Option<Batching>,
     pub(super) stats_interval: Option<Duration>,
     pub(super) drain_timeout: Option<Duration>,
+    pub(super) dedup: Dedup,
 }
 
 impl Default for Settings {
@@ -39,7 +40,39 @@ impl Default for Settings {
             batch: None,
             stats_interval: Some(Duration::from_secs(30)),
             drain_timeout: None,
+            dedup: Dedup::default(),
         }
+    }
+}
+
+/// How a consumer tells a copy from a new message. See [`Consumer::dedup`](super::Consumer::dedup).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Dedup {
+    /// By message id (the default, on every transport): a row per `(consumer, message id)` in
+    /// `inbox_messages`, written with the handler's writes. Catches every copy, whatever made
+    /// it: a redelivery, a lost ack, a producer that sent the message twice.
+    #[default]
+    Ids,
+    /// By log offset (Kafka): per partition, the offset of the next record to handle, kept in
+    /// `inbox_offsets` and written with the handler's writes; no row per message. Catches every
+    /// redelivery of a record, but NOT a producer that sent the same message twice: that is two
+    /// records at two offsets, and both are handled.
+    Offsets,
+    /// Both: the offset and the message id. Catches producer duplicates too, at the cost of the
+    /// row per message.
+    OffsetsAndIds,
+}
+
+impl Dedup {
+    /// Whether the offsets are kept.
+    pub(super) fn offsets(self) -> bool {
+        matches!(self, Dedup::Offsets | Dedup::OffsetsAndIds)
+    }
+
+    /// Whether every message gets an id row.
+    pub(super) fn ids(self) -> bool {
+        matches!(self, Dedup::Ids | Dedup::OffsetsAndIds)
     }
 }
 

@@ -120,9 +120,9 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
                 .iter()
                 .map(|(_, id)| id.clone())
                 .collect();
-            let claims = self
+            let (claims, offsets) = self
                 .metrics
-                .time_claim(self.store.claim_batch(&mut tx, &self.name, &ids))
+                .time_claim(self.claim_entries(&mut tx, &entries[part.clone()], &ids, waiting))
                 .await?;
             self.store_outage.succeeded();
             let mut settled = Vec::with_capacity(part.len());
@@ -153,7 +153,16 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
                     }
                 }
             }
+            // What this transaction leaves for the per-message way: its partition's offset
+            // stops there.
+            let unfinished: Vec<&dyn Delivery> = settled
+                .iter()
+                .filter(|(_, fate)| matches!(fate, Fate::Later))
+                .map(|&(i, _)| &*entries[i].0)
+                .collect();
             if handle.is_empty() {
+                self.settle_batch_offsets(&mut tx, &offsets, unfinished.into_iter())
+                    .await?;
                 self.store.commit(tx).await?;
                 return Ok(Ended::Settled(settled));
             }
@@ -164,6 +173,8 @@ impl<S: InboxStore, H: Handler<S::Tx>> Run<S, H> {
             let result = self.call_batch(handler, &messages, &mut tx).await;
             let failure = match result {
                 Ok(()) => {
+                    self.settle_batch_offsets(&mut tx, &offsets, unfinished.into_iter())
+                        .await?;
                     self.store.commit(tx).await?;
                     settled.extend(handle.iter().map(|&(i, _)| (i, Fate::Handled)));
                     return Ok(Ended::Settled(settled));

@@ -35,6 +35,22 @@ pub enum Claim {
     Dead,
 }
 
+/// What [`InboxStore::claim_offsets`] found (offsets mode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OffsetClaim {
+    /// Nothing at or after the range's first offset was handled: the whole range is new. The
+    /// partition's next offset is now one past the range's last, and locked until the
+    /// transaction ends.
+    New,
+    /// The records before `next` were handled already (`next` is past the range's first
+    /// offset). The next offset is unchanged, and locked until the transaction ends.
+    Consumed {
+        /// The partition's next offset as kept.
+        next: i64,
+    },
+}
+
 /// Counts for one consumer, as [`InboxStore::stats`] returns them.
 #[derive(Debug, Clone, PartialEq, Default)]
 #[non_exhaustive]
@@ -255,6 +271,67 @@ pub trait InboxStore: Send + Sync + 'static {
         consumer: &ConsumerName,
         ids: &[MessageId],
     ) -> Result<Vec<Claim>, StoreError>;
+
+    /// Offsets mode: claims the records `first..=last` of `topic`'s `partition` for `consumer`
+    /// in ONE statement, by the partition's next offset kept in `inbox_offsets`. When it is at
+    /// or before `first` (or nothing is kept yet) the range is new and the next offset becomes
+    /// `last + 1`; otherwise it is left as it is and returned. Either way the partition's row is
+    /// locked until `tx` ends, so a revoked owner's late transaction waits for the new owner's
+    /// and then finds the offsets consumed: the next offset never moves back.
+    async fn claim_offsets(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &ConsumerName,
+        topic: &str,
+        partition: i32,
+        (first, last): (i64, i64),
+    ) -> Result<OffsetClaim, StoreError> {
+        let _ = (tx, consumer, topic, partition, first, last);
+        Err(StoreError::Unsupported("offsets mode"))
+    }
+
+    /// Offsets mode, per message: [`begin`](Self::begin), then
+    /// [`claim_offsets`](Self::claim_offsets) of the one record at `offset`. A store may do both
+    /// in one round trip, as PostgreSQL does. On an error the transaction is rolled back.
+    async fn begin_and_claim_offset(
+        &self,
+        consumer: &ConsumerName,
+        topic: &str,
+        partition: i32,
+        offset: i64,
+    ) -> Result<(Self::Tx, OffsetClaim), StoreError> {
+        let mut tx = self.begin().await?;
+        let found = self
+            .claim_offsets(&mut tx, consumer, topic, partition, (offset, offset))
+            .await?;
+        Ok((tx, found))
+    }
+
+    /// Offsets mode: sets the next offset of a partition whose row `tx` locked with
+    /// [`claim_offsets`](Self::claim_offsets) (the engine moves it back to the first record of
+    /// a batch it did not finish, never before what the claim found).
+    async fn set_next_offset(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &ConsumerName,
+        topic: &str,
+        partition: i32,
+        next: i64,
+    ) -> Result<(), StoreError> {
+        let _ = (tx, consumer, topic, partition, next);
+        Err(StoreError::Unsupported("offsets mode"))
+    }
+
+    /// Offsets mode: the next offset kept for `consumer` in `topic`'s `partition`, if any.
+    async fn next_offset(
+        &self,
+        consumer: &ConsumerName,
+        topic: &str,
+        partition: i32,
+    ) -> Result<Option<i64>, StoreError> {
+        let _ = (consumer, topic, partition);
+        Err(StoreError::Unsupported("offsets mode"))
+    }
 
     /// The most messages one batch transaction should hold, where the database sets a limit of
     /// its own (batch mode opens a savepoint per message). `None`: no such limit.

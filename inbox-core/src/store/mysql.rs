@@ -27,7 +27,7 @@ use sqlx::{MySql, MySqlPool};
 
 use super::{
     Claim, CleanupPace, CleanupReport, ConsumerStats, DeadLetter, InboxAdmin, InboxStore,
-    LockedSession, Pacer, storable_error, store_error,
+    LockedSession, OffsetClaim, Pacer, storable_error, store_error,
 };
 use crate::error::StoreError;
 use crate::id::{ConsumerName, MessageId};
@@ -218,6 +218,104 @@ impl InboxStore for MySqlStore {
             FOUND_DONE => Ok(Claim::Done),
             _ => Ok(Claim::Dead),
         }
+    }
+
+    async fn claim_offsets(
+        &self,
+        tx: &mut MySqlTx,
+        consumer: &ConsumerName,
+        topic: &str,
+        partition: i32,
+        (first, last): (i64, i64),
+    ) -> Result<OffsetClaim, StoreError> {
+        // A locking read sees the latest committed offset (a plain one, the snapshot's) and
+        // holds the row until the transaction ends. No row yet: insert it; an insert that
+        // collides with another transaction's waits for it, then fails with a duplicate key
+        // (the statement only), and the locking read finds the row this time.
+        for _ in 0..2 {
+            let next: Option<i64> = sqlx::query_scalar(
+                "SELECT next_offset FROM inbox_offsets
+                 WHERE consumer = ? AND topic = ? AND partition_id = ? FOR UPDATE",
+            )
+            .bind(consumer.as_str())
+            .bind(topic)
+            .bind(partition)
+            .fetch_optional(&mut **tx)
+            .await
+            .map_err(store_error)?;
+            let moved = match next {
+                Some(next) if next > first => return Ok(OffsetClaim::Consumed { next }),
+                Some(_) => sqlx::query(
+                    "UPDATE inbox_offsets SET next_offset = ?, updated_at = UTC_TIMESTAMP(6)
+                     WHERE consumer = ? AND topic = ? AND partition_id = ?",
+                )
+                .bind(last.saturating_add(1))
+                .bind(consumer.as_str())
+                .bind(topic)
+                .bind(partition)
+                .execute(&mut **tx)
+                .await
+                .map(drop),
+                None => sqlx::query(
+                    "INSERT INTO inbox_offsets (consumer, topic, partition_id, next_offset)
+                     VALUES (?, ?, ?, ?)",
+                )
+                .bind(consumer.as_str())
+                .bind(topic)
+                .bind(partition)
+                .bind(last.saturating_add(1))
+                .execute(&mut **tx)
+                .await
+                .map(drop),
+            };
+            match moved {
+                Ok(()) => return Ok(OffsetClaim::New),
+                Err(sqlx::Error::Database(e)) if e.is_unique_violation() => continue,
+                Err(e) => return Err(store_error(e)),
+            }
+        }
+        Err(StoreError::Conflict(
+            "the partition's offset row kept colliding with another transaction's".into(),
+        ))
+    }
+
+    async fn set_next_offset(
+        &self,
+        tx: &mut MySqlTx,
+        consumer: &ConsumerName,
+        topic: &str,
+        partition: i32,
+        next: i64,
+    ) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE inbox_offsets SET next_offset = ?, updated_at = UTC_TIMESTAMP(6)
+             WHERE consumer = ? AND topic = ? AND partition_id = ?",
+        )
+        .bind(next)
+        .bind(consumer.as_str())
+        .bind(topic)
+        .bind(partition)
+        .execute(&mut **tx)
+        .await
+        .map_err(store_error)?;
+        Ok(())
+    }
+
+    async fn next_offset(
+        &self,
+        consumer: &ConsumerName,
+        topic: &str,
+        partition: i32,
+    ) -> Result<Option<i64>, StoreError> {
+        sqlx::query_scalar(
+            "SELECT next_offset FROM inbox_offsets WHERE consumer = ? AND topic = ? AND partition_id = ?",
+        )
+        .bind(consumer.as_str())
+        .bind(topic)
+        .bind(partition)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(store_error)
     }
 
     async fn claim_batch(

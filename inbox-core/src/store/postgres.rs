@@ -10,7 +10,7 @@ use sqlx::{PgPool, Postgres};
 
 use super::{
     Claim, CleanupPace, CleanupReport, ConsumerStats, DeadLetter, InboxAdmin, InboxStore,
-    LockedSession, Pacer, storable_error, store_error,
+    LockedSession, OffsetClaim, Pacer, storable_error, store_error,
 };
 use crate::error::StoreError;
 use crate::id::{ConsumerName, MessageId};
@@ -47,6 +47,9 @@ const PRELUDE: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
 /// What `inbox_claim_new` raises for a message it finds a row of.
 const SEEN_BEFORE: &str = "IBX01";
+
+/// What `inbox_claim_offset` raises for a record its partition's kept offset is past.
+const CONSUMED_BEFORE: &str = "IBX02";
 
 impl PostgresStore {
     /// Wraps an existing pool (share it with your application's own queries). Give the pool the
@@ -108,6 +111,46 @@ impl PostgresStore {
     pub(crate) async fn begin_and(&self, more: &str) -> Result<PgTx, StoreError> {
         self.begin_with(format!("{}; {more}", self.begin).into())
             .await
+    }
+
+    /// The one-trip claim: `claim` (a call of a function that raises `refused` where the usual
+    /// claim would not find the message new) sent before the `BEGIN`, in the implicit
+    /// transaction that the `BEGIN` turns into the explicit one: one transaction. `None` when it
+    /// is off or refused the message: a failure rolls the implicit transaction back and leaves
+    /// the session outside any transaction, and the caller claims the usual way.
+    async fn begin_with_claim(
+        &self,
+        claim: &str,
+        refused: &str,
+    ) -> Result<Option<PgTx>, StoreError> {
+        if !self.claim_with_begin.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let sql = format!("{}; {claim}; BEGIN", self.prelude);
+        let pool = self.pool.clone();
+        let begun = tokio::spawn(async move { pool.begin_with(sql).await })
+            .await
+            .map_err(|e| StoreError::Unavailable(Box::new(e)))?;
+        match begun {
+            Ok(tx) => Ok(Some(tx)),
+            Err(e) if e.as_database_error().and_then(|d| d.code()).as_deref() == Some(refused) => {
+                Ok(None)
+            }
+            Err(e) => {
+                let error = store_error(e);
+                if error.is_transient() {
+                    return Err(error);
+                }
+                // The function missing (migrations not run), not executable by this role, …:
+                // the usual claim may still work, and reports the schema's own errors.
+                tracing::warn!(
+                    error = %crate::error_chain(&error),
+                    "the one-trip claim failed; claiming in a round trip of its own from now on"
+                );
+                self.claim_with_begin.store(false, Ordering::Relaxed);
+                Ok(None)
+            }
+        }
     }
 
     async fn begin_with(&self, sql: std::borrow::Cow<'static, str>) -> Result<PgTx, StoreError> {
@@ -193,51 +236,45 @@ impl InboxStore for PostgresStore {
         id: &MessageId,
         unseen: bool,
     ) -> Result<(PgTx, Claim), StoreError> {
-        if unseen && self.claim_with_begin.load(Ordering::Relaxed) {
-            // Before the BEGIN, in the implicit transaction that the BEGIN turns into the
-            // explicit one: one transaction. A failure rolls it back and leaves the session
-            // outside any transaction.
-            let sql = format!(
-                "{}; SELECT inbox_claim_new({}, {}); BEGIN",
-                self.prelude,
+        if unseen {
+            let claim = format!(
+                "SELECT inbox_claim_new({}, {})",
                 literal(consumer.as_str()),
                 literal(id.as_str())
             );
-            let pool = self.pool.clone();
-            let begun = tokio::spawn(async move { pool.begin_with(sql).await })
-                .await
-                .map_err(|e| StoreError::Unavailable(Box::new(e)))?;
-            match begun {
-                Ok(tx) => {
-                    return Ok((
-                        tx,
-                        Claim::Claimed {
-                            attempts: 0,
-                            last_error: None,
-                        },
-                    ));
-                }
-                Err(e)
-                    if e.as_database_error().and_then(|d| d.code()).as_deref()
-                        == Some(SEEN_BEFORE) => {}
-                Err(e) => {
-                    let error = store_error(e);
-                    if error.is_transient() {
-                        return Err(error);
-                    }
-                    // The function missing (migrations not run), not executable by this role,
-                    // …: the usual claim may still work, and reports the schema's own errors.
-                    tracing::warn!(
-                        error = %crate::error_chain(&error),
-                        "the one-trip claim (inbox_claim_new) failed; claiming in a round trip of its own from now on"
-                    );
-                    self.claim_with_begin.store(false, Ordering::Relaxed);
-                }
+            if let Some(tx) = self.begin_with_claim(&claim, SEEN_BEFORE).await? {
+                let fresh = Claim::Claimed {
+                    attempts: 0,
+                    last_error: None,
+                };
+                return Ok((tx, fresh));
             }
         }
         let mut tx = self.begin().await?;
         let claim = self.claim(&mut tx, consumer, id).await?;
         Ok((tx, claim))
+    }
+
+    async fn begin_and_claim_offset(
+        &self,
+        consumer: &ConsumerName,
+        topic: &str,
+        partition: i32,
+        offset: i64,
+    ) -> Result<(PgTx, OffsetClaim), StoreError> {
+        let claim = format!(
+            "SELECT inbox_claim_offset({}, {}, {partition}, {offset})",
+            literal(consumer.as_str()),
+            literal(topic)
+        );
+        if let Some(tx) = self.begin_with_claim(&claim, CONSUMED_BEFORE).await? {
+            return Ok((tx, OffsetClaim::New));
+        }
+        let mut tx = self.begin().await?;
+        let found = self
+            .claim_offsets(&mut tx, consumer, topic, partition, (offset, offset))
+            .await?;
+        Ok((tx, found))
     }
 
     async fn claim(
@@ -269,6 +306,88 @@ impl InboxStore for PostgresStore {
         .await
         .map_err(store_error)?;
         Ok(if dead { Claim::Dead } else { Claim::Done })
+    }
+
+    async fn claim_offsets(
+        &self,
+        tx: &mut PgTx,
+        consumer: &ConsumerName,
+        topic: &str,
+        partition: i32,
+        (first, last): (i64, i64),
+    ) -> Result<OffsetClaim, StoreError> {
+        // ON CONFLICT DO UPDATE locks the row even where its WHERE is false, and waits for a
+        // concurrent insert of it to end: both owners of a partition during a rebalance see the
+        // other's committed offset.
+        let moved = sqlx::query(
+            "INSERT INTO inbox_offsets AS o (consumer, topic, partition_id, next_offset)
+             VALUES ($1, $2, $3, $5)
+             ON CONFLICT (consumer, topic, partition_id) DO UPDATE
+                 SET next_offset = EXCLUDED.next_offset, updated_at = now()
+                 WHERE o.next_offset <= $4",
+        )
+        .bind(consumer.as_str())
+        .bind(topic)
+        .bind(partition)
+        .bind(first)
+        .bind(last.saturating_add(1))
+        .execute(&mut **tx)
+        .await
+        .map_err(store_error)?
+        .rows_affected();
+        if moved == 1 {
+            return Ok(OffsetClaim::New);
+        }
+        // Locked by the statement above: this read sees the committed value.
+        let next: i64 = sqlx::query_scalar(
+            "SELECT next_offset FROM inbox_offsets WHERE consumer = $1 AND topic = $2 AND partition_id = $3",
+        )
+        .bind(consumer.as_str())
+        .bind(topic)
+        .bind(partition)
+        .fetch_one(&mut **tx)
+        .await
+        .map_err(store_error)?;
+        Ok(OffsetClaim::Consumed { next })
+    }
+
+    async fn set_next_offset(
+        &self,
+        tx: &mut PgTx,
+        consumer: &ConsumerName,
+        topic: &str,
+        partition: i32,
+        next: i64,
+    ) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE inbox_offsets SET next_offset = $4, updated_at = now()
+             WHERE consumer = $1 AND topic = $2 AND partition_id = $3",
+        )
+        .bind(consumer.as_str())
+        .bind(topic)
+        .bind(partition)
+        .bind(next)
+        .execute(&mut **tx)
+        .await
+        .map_err(store_error)?;
+        Ok(())
+    }
+
+    async fn next_offset(
+        &self,
+        consumer: &ConsumerName,
+        topic: &str,
+        partition: i32,
+    ) -> Result<Option<i64>, StoreError> {
+        sqlx::query_scalar(
+            "SELECT next_offset FROM inbox_offsets WHERE consumer = $1 AND topic = $2 AND partition_id = $3",
+        )
+        .bind(consumer.as_str())
+        .bind(topic)
+        .bind(partition)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(store_error)
     }
 
     async fn claim_batch(

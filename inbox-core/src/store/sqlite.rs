@@ -9,8 +9,8 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::{Sqlite, SqlitePool};
 
 use super::{
-    Claim, CleanupPace, CleanupReport, ConsumerStats, DeadLetter, InboxAdmin, InboxStore, Pacer,
-    storable_error, store_error,
+    Claim, CleanupPace, CleanupReport, ConsumerStats, DeadLetter, InboxAdmin, InboxStore,
+    OffsetClaim, Pacer, storable_error, store_error,
 };
 use crate::error::StoreError;
 use crate::id::{ConsumerName, MessageId};
@@ -139,6 +139,84 @@ impl InboxStore for SqliteStore {
         .await
         .map_err(store_error)?;
         Ok(if dead { Claim::Dead } else { Claim::Done })
+    }
+
+    async fn claim_offsets(
+        &self,
+        tx: &mut SqliteTx,
+        consumer: &ConsumerName,
+        topic: &str,
+        partition: i32,
+        (first, last): (i64, i64),
+    ) -> Result<OffsetClaim, StoreError> {
+        // The transaction holds the database's write lock (BEGIN IMMEDIATE): nothing changes the
+        // row between the read and the write.
+        let next: Option<i64> = sqlx::query_scalar(
+            "SELECT next_offset FROM inbox_offsets WHERE consumer = $1 AND topic = $2 AND partition_id = $3",
+        )
+        .bind(consumer.as_str())
+        .bind(topic)
+        .bind(partition)
+        .fetch_optional(&mut **tx)
+        .await
+        .map_err(store_error)?;
+        if let Some(next) = next.filter(|&next| next > first) {
+            return Ok(OffsetClaim::Consumed { next });
+        }
+        sqlx::query(concat!(
+            "INSERT INTO inbox_offsets (consumer, topic, partition_id, next_offset) VALUES ($1, $2, $3, $4)
+             ON CONFLICT (consumer, topic, partition_id) DO UPDATE
+                 SET next_offset = excluded.next_offset, updated_at = ",
+            now!()
+        ))
+        .bind(consumer.as_str())
+        .bind(topic)
+        .bind(partition)
+        .bind(last.saturating_add(1))
+        .execute(&mut **tx)
+        .await
+        .map_err(store_error)?;
+        Ok(OffsetClaim::New)
+    }
+
+    async fn set_next_offset(
+        &self,
+        tx: &mut SqliteTx,
+        consumer: &ConsumerName,
+        topic: &str,
+        partition: i32,
+        next: i64,
+    ) -> Result<(), StoreError> {
+        sqlx::query(concat!(
+            "UPDATE inbox_offsets SET next_offset = $4, updated_at = ",
+            now!(),
+            " WHERE consumer = $1 AND topic = $2 AND partition_id = $3"
+        ))
+        .bind(consumer.as_str())
+        .bind(topic)
+        .bind(partition)
+        .bind(next)
+        .execute(&mut **tx)
+        .await
+        .map_err(store_error)?;
+        Ok(())
+    }
+
+    async fn next_offset(
+        &self,
+        consumer: &ConsumerName,
+        topic: &str,
+        partition: i32,
+    ) -> Result<Option<i64>, StoreError> {
+        sqlx::query_scalar(
+            "SELECT next_offset FROM inbox_offsets WHERE consumer = $1 AND topic = $2 AND partition_id = $3",
+        )
+        .bind(consumer.as_str())
+        .bind(topic)
+        .bind(partition)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(store_error)
     }
 
     async fn claim_batch(

@@ -503,3 +503,106 @@ pub async fn store_bookkeeping_answers<D: TestDb>(_brokers: &dyn BrokerFactory, 
     );
     store.commit(tx).await.unwrap();
 }
+
+/// Offsets mode's bookkeeping (`inbox_offsets`): a range is new until its partition's next
+/// offset passes its first record; the next offset never moves back except where a batch sets it
+/// to its first unfinished record in the claim's own transaction; a rolled-back claim leaves
+/// nothing; and a second owner of the partition (a rebalance) waits for the first one's
+/// transaction, then finds its records consumed — also when the partition's row did not exist.
+pub async fn store_keeps_offsets_monotone<D: TestDb>(_brokers: &dyn BrokerFactory, db: &Arc<D>) {
+    use inbox::store::OffsetClaim;
+
+    let store = db.store().await;
+    let c = ConsumerName::new(format!("offsets-{}", uuid::Uuid::new_v4().simple())).unwrap();
+    let topic = "parcels'; DROP TABLE inbox_offsets; --";
+    let claim = |range: (i64, i64)| {
+        let (store, c) = (store.clone(), c.clone());
+        async move {
+            let mut tx = store.begin().await.unwrap();
+            let found = store
+                .claim_offsets(&mut tx, &c, topic, 0, range)
+                .await
+                .unwrap();
+            (tx, found)
+        }
+    };
+    assert_eq!(store.next_offset(&c, topic, 0).await.unwrap(), None);
+
+    let (tx, found) = claim((0, 9)).await;
+    assert_eq!(found, OffsetClaim::New, "nothing kept: all new");
+    store.commit(tx).await.unwrap();
+    assert_eq!(store.next_offset(&c, topic, 0).await.unwrap(), Some(10));
+
+    let (tx, found) = claim((5, 5)).await;
+    assert_eq!(found, OffsetClaim::Consumed { next: 10 });
+    store.rollback(tx).await.unwrap();
+    let (tx, found) = claim((8, 14)).await;
+    assert_eq!(
+        found,
+        OffsetClaim::Consumed { next: 10 },
+        "a range reaching past the next offset is partly consumed, and left as it is"
+    );
+    store.rollback(tx).await.unwrap();
+    assert_eq!(store.next_offset(&c, topic, 0).await.unwrap(), Some(10));
+
+    // A batch of 10..=19 whose record 15 goes the per-message way: the offset stops at 15.
+    let (mut tx, found) = claim((10, 19)).await;
+    assert_eq!(found, OffsetClaim::New);
+    store
+        .set_next_offset(&mut tx, &c, topic, 0, 15)
+        .await
+        .unwrap();
+    store.commit(tx).await.unwrap();
+    assert_eq!(store.next_offset(&c, topic, 0).await.unwrap(), Some(15));
+
+    // A rolled-back claim moves nothing; gaps in the offsets are new records.
+    let (tx, found) = claim((15, 15)).await;
+    assert_eq!(found, OffsetClaim::New);
+    store.rollback(tx).await.unwrap();
+    assert_eq!(store.next_offset(&c, topic, 0).await.unwrap(), Some(15));
+    let (tx, found) = claim((40, 40)).await;
+    assert_eq!(found, OffsetClaim::New);
+    store.commit(tx).await.unwrap();
+    assert_eq!(store.next_offset(&c, topic, 0).await.unwrap(), Some(41));
+    // Partitions and consumers are kept apart.
+    assert_eq!(store.next_offset(&c, topic, 1).await.unwrap(), None);
+    let other = ConsumerName::new(format!("{}-other", c.as_str())).unwrap();
+    assert_eq!(store.next_offset(&other, topic, 0).await.unwrap(), None);
+
+    if !D::CONCURRENT_WRITERS {
+        return;
+    }
+    // Two owners of one partition at once (partition 0's row exists, partition 7's does not
+    // yet): the second waits for the first, whose commit makes the record a copy to it.
+    for (partition, offset) in [(0, 41), (7, 0)] {
+        let mut first = store.begin().await.unwrap();
+        let found = store
+            .claim_offsets(&mut first, &c, topic, partition, (offset, offset))
+            .await
+            .unwrap();
+        assert_eq!(found, OffsetClaim::New);
+        let (store2, c2) = (store.clone(), c.clone());
+        let mut second = tokio::spawn(async move {
+            let mut tx = store2.begin().await.unwrap();
+            let found = store2
+                .claim_offsets(&mut tx, &c2, topic, partition, (offset, offset))
+                .await
+                .unwrap();
+            store2.rollback(tx).await.unwrap();
+            found
+        });
+        // Not a synchronisation: a second claim that did not wait would be back long before.
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), &mut second)
+                .await
+                .is_err(),
+            "partition {partition}: the second owner's claim must wait for the first's transaction"
+        );
+        store.commit(first).await.unwrap();
+        assert_eq!(
+            second.await.unwrap(),
+            OffsetClaim::Consumed { next: offset + 1 },
+            "partition {partition}"
+        );
+    }
+}
