@@ -61,6 +61,14 @@ enum Which {
     All,
 }
 
+/// What the soak runs.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum SoakMode {
+    Batch,
+    BatchHandler,
+    KafkaOffsets,
+}
+
 #[derive(Parser)]
 #[command(about = "Inbox throughput against PostgreSQL, beside its baselines")]
 struct Args {
@@ -93,10 +101,15 @@ struct Args {
     /// under a profiler (`perf record -g`).
     #[arg(long)]
     profile: bool,
-    /// Instead of the comparison: one batched inbox consumer on RabbitMQ over this many messages
-    /// (published as it goes, at most 20 000 waiting), sampling the process's resident memory.
+    /// Instead of the comparison: one batched inbox consumer over this many messages (published
+    /// as it goes, at most 20 000 waiting), sampling the process's resident memory.
     #[arg(long)]
     soak: Option<u64>,
+    /// The soak's mode: `batch` (RabbitMQ, a savepoint per message), `batch-handler` (RabbitMQ,
+    /// the handler's batch form) or `kafka-offsets` (Kafka, batches, offsets kept in the
+    /// database, no row per message).
+    #[arg(long, value_enum, default_value = "batch")]
+    soak_mode: SoakMode,
     /// Also write the results to this file as JSON: `{"rows": [{"transport", "mode",
     /// "msgs_per_s", "p50_ms", "p99_ms", "double_effects"}…], "rss_mib": …}` (`rss_mib`: the
     /// process's peak; with `--soak`, the highest sample and no rows).
@@ -604,6 +617,7 @@ where
     Ok(Measured {
         name,
         mode: match (batch, copies) {
+            (Some(_), _) if dedup != Dedup::Ids && whole => "kafka_offsets_batch_handler",
             (Some(_), _) if dedup != Dedup::Ids => "kafka_offsets",
             (None, _) if dedup != Dedup::Ids => "kafka_offsets_per_message",
             (Some(_), _) if whole => "batch_handler",
@@ -1464,15 +1478,26 @@ fn peak_rss_mib() -> Option<f64> {
     rss_mib("VmHWM:")
 }
 
-/// The soak run: `total` messages through one batched inbox consumer on RabbitMQ (a broker in
-/// another process, so that what grows is ours), published as it goes with at most 20 000
-/// waiting, and the resident memory sampled at every tenth.
+/// The soak run: `total` messages through one batched inbox consumer on RabbitMQ or Kafka (a
+/// broker in another process, so that what grows is ours), published as it goes with at most
+/// 20 000 waiting, and the resident memory sampled at every tenth.
 async fn soak(total: u64, args: &Args, store: &PostgresStore) -> Result<(), Error> {
     const WAITING: u64 = 20_000;
-    let url = std::env::var("AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
-    let transport: Arc<dyn Transport> =
-        Arc::new(inbox::rabbitmq::RabbitMqTransport::new(url, bench_queues()));
+    let (transport, broker): (Arc<dyn Transport>, &str) = match args.soak_mode {
+        SoakMode::Batch | SoakMode::BatchHandler => {
+            let url = std::env::var("AMQP_URL")
+                .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+            let transport = inbox::rabbitmq::RabbitMqTransport::new(url, bench_queues());
+            (Arc::new(transport), "RabbitMQ")
+        }
+        SoakMode::KafkaOffsets => {
+            let brokers =
+                std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".to_owned());
+            let transport =
+                inbox::kafka::KafkaTransport::new(inbox::kafka::KafkaConfig::new(brokers))?;
+            (Arc::new(transport), "Kafka, offsets kept in the database,")
+        }
+    };
     let run = run_name("soak");
     let source = format!("bench-{}", uuid::Uuid::new_v4().simple());
     let name = ConsumerName::new(run.clone())?;
@@ -1486,11 +1511,16 @@ async fn soak(total: u64, args: &Args, store: &PostgresStore) -> Result<(), Erro
         store.clone(),
         BenchHandler {
             run: run.clone(),
-            whole: false,
+            whole: args.soak_mode == SoakMode::BatchHandler,
         },
     )
     .concurrency(args.concurrency)
-    .batch(Batching::new(100, Duration::from_millis(5)));
+    .batch(Batching::new(100, Duration::from_millis(5)))
+    .dedup(if args.soak_mode == SoakMode::KafkaOffsets {
+        Dedup::Offsets
+    } else {
+        Dedup::Ids
+    });
     let settled = {
         let consumer = consumer.clone();
         move || {
@@ -1527,7 +1557,12 @@ async fn soak(total: u64, args: &Args, store: &PostgresStore) -> Result<(), Erro
         })
     };
     println!(
-        "soak: {total} messages, batched inbox on RabbitMQ, {} in flight",
+        "soak: {total} messages, batched inbox{} on {broker} {} in flight",
+        if args.soak_mode == SoakMode::BatchHandler {
+            " with a batch handler"
+        } else {
+            ""
+        },
         args.concurrency
     );
     println!("{:>10}{:>10}{:>12}", "handled", "msgs/s", "RSS MiB");
@@ -1729,7 +1764,7 @@ async fn bench(args: Args) -> Result<(), Error> {
         // Offsets mode where the transport has log positions (Kafka): batch mode as above,
         // copies told by each partition's kept offset, no row per message; and per message.
         let by_offsets = if t.transport.capabilities().log_positions {
-            let offsets = |name, batch| {
+            let offsets = |name, batch, whole| {
                 inbox_mode_with(
                     name,
                     t,
@@ -1737,16 +1772,14 @@ async fn bench(args: Args) -> Result<(), Error> {
                     &args,
                     batch,
                     false,
-                    (false, Dedup::Offsets),
+                    (whole, Dedup::Offsets),
                 )
             };
+            let batching = Some(Batching::new(100, Duration::from_millis(5)));
             Some((
-                offsets(
-                    "offsets batch (100, 5 ms)",
-                    Some(Batching::new(100, Duration::from_millis(5))),
-                )
-                .await?,
-                offsets("offsets per message", None).await?,
+                offsets("offsets batch (100, 5 ms)", batching, false).await?,
+                offsets("offsets per message", None, false).await?,
+                offsets("offsets batch handler (100)", batching, true).await?,
             ))
         } else {
             None
@@ -1787,8 +1820,8 @@ async fn bench(args: Args) -> Result<(), Error> {
         if let Some((no_inbox_ordered, naive_ordered)) = &ordered_baselines {
             shown.extend([no_inbox_ordered, naive_ordered]);
         }
-        if let Some((offsets_batch, offsets_per_message)) = &by_offsets {
-            shown.extend([offsets_batch, offsets_per_message]);
+        if let Some((offsets_batch, offsets_per_message, offsets_batch_handler)) = &by_offsets {
+            shown.extend([offsets_batch, offsets_per_message, offsets_batch_handler]);
         }
         for m in shown {
             rows.push(m.row(t.name));
@@ -1846,7 +1879,7 @@ async fn bench(args: Args) -> Result<(), Error> {
                 1.2,
             );
         }
-        if let Some((offsets_batch, offsets_per_message)) = &by_offsets {
+        if let Some((offsets_batch, offsets_per_message, offsets_batch_handler)) = &by_offsets {
             line(
                 "offsets batch / batch (by id)",
                 ratio(offsets_batch, &batched),
@@ -1856,6 +1889,16 @@ async fn bench(args: Args) -> Result<(), Error> {
                 "offsets per message / per message",
                 ratio(offsets_per_message, &per_message),
                 1.0,
+            );
+            line(
+                "offsets batch handler / batch handler",
+                ratio(offsets_batch_handler, &batch_handler),
+                1.0,
+            );
+            line(
+                "offsets batch handler / consume+ack",
+                ratio(offsets_batch_handler, &raw),
+                0.6,
             );
         }
         println!(

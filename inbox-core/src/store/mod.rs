@@ -217,8 +217,8 @@ impl Pacer {
 
 /// The inbox table as the engine uses it per delivery: the only place that knows SQL.
 ///
-/// All statements bind their values as parameters (but one: PostgreSQL's claim sent with the
-/// `BEGIN`, where parameters cannot go, quotes them). Implementations must keep the claim to one
+/// All statements bind their values as parameters (but PostgreSQL's claims sent with the
+/// `BEGIN`, by id and by offset, where parameters cannot go: they quote them). Implementations must keep the claim to one
 /// statement (see [`claim`](Self::claim)). What operators and the CLI need besides — migrations,
 /// dead-letter listing, cleanup, replay — is [`InboxAdmin`].
 ///

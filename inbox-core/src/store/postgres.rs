@@ -83,6 +83,10 @@ impl PostgresStore {
     /// for errors. A failure other than `IBX01` that retrying cannot fix (the function missing
     /// because the migrations were not run, no `EXECUTE` right on it) turns it off for this
     /// store, with a warning.
+    ///
+    /// Offsets mode ([`Dedup::Offsets`](crate::Dedup)) claims by offset the same way, with
+    /// `inbox_claim_offset`, which fails with `IBX02` for a record its partition consumed
+    /// before; this setting turns both off.
     pub fn claim_with_begin(mut self, on: bool) -> Self {
         // A flag of its own: clones made before keep theirs.
         self.claim_with_begin = Arc::new(AtomicBool::new(on));
