@@ -78,31 +78,41 @@ conformance::offsets_suite!(
     ]
 );
 
+/// A scenario on PostgreSQL whose source has one partition (its offsets are the publish order),
+/// with ten messages published; their ids.
+async fn one_partition_of_ten() -> (
+    conformance::Scenario<conformance::stores::Postgres>,
+    Vec<String>,
+) {
+    use inbox::kafka::{KafkaConfig, KafkaTransport};
+
+    conformance::init_tracing();
+    let db = std::sync::Arc::new(conformance::stores::Postgres);
+    let s =
+        conformance::Scenario::new(&Kafka { ordered: true }, &db, inbox::memory::Faults::none())
+            .await;
+    let one =
+        KafkaTransport::new(KafkaConfig::new(conformance::services::kafka_brokers()).partitions(1))
+            .unwrap();
+    one.create_topics(&[&s.source]).await.unwrap();
+    let ids: Vec<String> = (0..10).map(|i| s.id(i)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        s.publish(id, i).await;
+    }
+    (s, ids)
+}
+
 /// Offsets mode: a partition starts where the database says, not where the broker's committed
 /// offset is — past records the database has (committed before a crash kept the broker from
 /// hearing of them: skipped unread), and back to records it lacks (a database restored from a
 /// backup: handled again). The broker learns the position, so its lag is right.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_kept_offset_decides_where_a_partition_starts() {
-    use inbox::kafka::{KafkaConfig, KafkaTransport};
     use inbox::{Dedup, InboxStore};
     use std::sync::Arc;
 
-    conformance::init_tracing();
-    let db = Arc::new(conformance::stores::Postgres);
-    let s =
-        conformance::Scenario::new(&Kafka { ordered: true }, &db, inbox::memory::Faults::none())
-            .await;
-    // One partition: its offsets are the publish order.
-    let one =
-        KafkaTransport::new(KafkaConfig::new(conformance::services::kafka_brokers()).partitions(1))
-            .unwrap();
-    one.create_topics(&[&s.source]).await.unwrap();
+    let (s, ids) = one_partition_of_ten().await;
     let name = s.name("kept");
-    let ids: Vec<String> = (0..10).map(|i| s.id(i)).collect();
-    for (i, id) in ids.iter().enumerate() {
-        s.publish(id, i).await;
-    }
     let keep = |next: i64| {
         let (store, name, source) = (s.store.clone(), name.clone(), s.source.clone());
         async move {
@@ -180,26 +190,13 @@ async fn the_kept_offset_decides_where_a_partition_starts() {
 /// a restart every record is handled once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_handed_back_at_shutdown_holds_back_its_partition() {
-    use inbox::kafka::{KafkaConfig, KafkaTransport};
     use inbox::{Dedup, HandlerError, InboxStore, RetryPolicy};
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Duration;
 
-    conformance::init_tracing();
-    let db = Arc::new(conformance::stores::Postgres);
-    let s =
-        conformance::Scenario::new(&Kafka { ordered: true }, &db, inbox::memory::Faults::none())
-            .await;
-    let one =
-        KafkaTransport::new(KafkaConfig::new(conformance::services::kafka_brokers()).partitions(1))
-            .unwrap();
-    one.create_topics(&[&s.source]).await.unwrap();
+    let (s, ids) = one_partition_of_ten().await;
     let name = s.name("held");
-    let ids: Vec<String> = (0..10).map(|i| s.id(i)).collect();
-    for (i, id) in ids.iter().enumerate() {
-        s.publish(id, i).await;
-    }
     // Record 3 fails (transiently) until the fix is deployed.
     let broken = Arc::new(AtomicBool::new(true));
     let failing = ids[3].clone();
