@@ -90,23 +90,35 @@ impl<S: InboxStore, H> Run<S, H> {
             return self.store.begin_and_claim(&self.name, id, unseen).await;
         };
         let offset = position.offset;
-        // Offsets alone, nothing seen before: the offset is the whole claim.
-        if !self.settings.dedup.ids() && unseen {
-            let (tx, found) = self
+        // One lock order per mode, so that two owners of a partition (a rebalance) never wait
+        // for each other in a circle: with ids, the id row before the offset (as in batches);
+        // offsets alone, the offset before the id row (as for a dead mark).
+        if !self.settings.dedup.ids() {
+            let (mut tx, found) = self
                 .store
                 .begin_and_claim_offset(&self.name, position.topic, position.partition, offset)
                 .await?;
-            let claim = match found {
-                OffsetClaim::New => Claim::Claimed {
+            if !matches!(found, OffsetClaim::New) {
+                return Ok((tx, Claim::Done));
+            }
+            if unseen {
+                // Nothing seen before: the offset is the whole claim.
+                let fresh = Claim::Claimed {
                     attempts: 0,
                     last_error: None,
-                },
-                _ => Claim::Done,
+                };
+                return Ok((tx, fresh));
+            }
+            // A sign of an earlier delivery: its id row too, where its failed attempts and a
+            // crash-loop count are kept.
+            return match self.store.claim(&mut tx, &self.name, id).await {
+                Ok(claim) => Ok((tx, claim)),
+                Err(e) => {
+                    let _ = self.store.rollback(tx).await;
+                    Err(e)
+                }
             };
-            return Ok((tx, claim));
         }
-        // With ids, or a message with a sign of an earlier delivery: its id row too, where its
-        // failed attempts and a crash-loop count are kept.
         let (mut tx, claim) = self.store.begin_and_claim(&self.name, id, unseen).await?;
         if !matches!(claim, Claim::Claimed { .. }) {
             return Ok((tx, claim));

@@ -53,8 +53,11 @@ pub async fn failing_handler_is_retried_then_succeeds<D: TestDb>(
         );
         let row = s.db.row(&s.store, &name, id).await.expect("row");
         assert!(row.processed && !row.dead, "{row:?}");
+        // By offsets alone a failure inside a batch has no row to be counted in (one would
+        // never be finished): only the failures the message has on its own count.
+        let uncounted_in_batch = crate::batched() && crate::dedup() == inbox::Dedup::Offsets;
         assert!(
-            row.attempts == 2 || (whole && row.attempts < 2),
+            row.attempts == 2 || ((whole || uncounted_in_batch) && row.attempts < 2),
             "{id}: {row:?}"
         );
     }
