@@ -248,16 +248,15 @@ fn start_at(
     kept: Result<Result<Option<i64>, StoreError>, tokio::task::JoinError>,
 ) -> Start {
     let (topic, partition, offset) = (record.topic.as_str(), record.partition, record.offset);
-    let next = match kept {
-        Ok(Ok(Some(next))) if next != offset => next,
-        Ok(Ok(_)) => return Start::Open,
-        Ok(Err(e)) => {
+    let next = match kept
+        .map_err(|e| e.to_string())
+        .and_then(|read| read.map_err(|e| e.to_string()))
+    {
+        Ok(Some(next)) if next != offset => next,
+        Ok(_) => return Start::Open,
+        Err(error) => {
             // The claim still tells copies by their offsets; only the seek is lost.
-            tracing::warn!(error = %e, topic, partition, "could not read the kept offset; starting at the broker's");
-            return Start::Open;
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, topic, partition, "could not read the kept offset; starting at the broker's");
+            tracing::warn!(%error, topic, partition, "could not read the kept offset; starting at the broker's");
             return Start::Open;
         }
     };

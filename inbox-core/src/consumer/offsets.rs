@@ -261,14 +261,10 @@ impl<S: InboxStore, H> Run<S, H> {
                 .map(|p| p.offset)
                 .min();
             let wanted = held.unwrap_or(part.last.saturating_add(1));
-            // Where the claim left the offset.
-            let now = match part.found {
-                OffsetClaim::New => part.last.saturating_add(1),
-                OffsetClaim::Consumed { next } => next,
-            };
-            let next = match part.found {
-                OffsetClaim::New => wanted,
-                OffsetClaim::Consumed { next } => wanted.max(next),
+            // Where the claim left the offset, and where it goes.
+            let (now, next) = match part.found {
+                OffsetClaim::New => (part.last.saturating_add(1), wanted),
+                OffsetClaim::Consumed { next } => (next, wanted.max(next)),
             };
             if next != now {
                 self.store
