@@ -173,7 +173,8 @@ pub async fn store_outage_pauses_deliveries<D: TestDb>(brokers: &dyn BrokerFacto
         handler,
     )
     .concurrency(concurrency)
-    .reconnect_backoff(RetryPolicy::default().with_delays(min_delay, max_delay));
+    .reconnect_backoff(RetryPolicy::default().with_delays(min_delay, max_delay))
+    .dedup(crate::dedup());
     let ids: Vec<String> = (0..40).map(|i| s.id(i)).collect();
     let running = Running::start(&consumer, 1);
     for (i, id) in ids[..10].iter().enumerate() {
@@ -317,7 +318,9 @@ pub async fn migrations_coexist_with_the_application<D: TestDb>(
 /// uncounted for ever), a dead mark the table refuses (the dead letter is out: the consumer goes
 /// on), a dead mark whose connection is lost (tried again), and commits applied whose reply is
 /// lost (the retry finds them done: no second effect). The consumer never stops, and good
-/// messages published afterwards are handled.
+/// messages published afterwards are handled. In offsets mode the claim of a partition's
+/// offset and a batch's correction of it lose their connection too, and a consumer started
+/// again afterwards (its partitions starting at the kept offsets) handles only what is new.
 pub async fn store_faults_neither_wedge_nor_stop<D: TestDb>(
     brokers: &dyn BrokerFactory,
     db: &Arc<D>,
@@ -336,6 +339,11 @@ pub async fn store_faults_neither_wedge_nor_stop<D: TestDb>(
     // In batch mode its mark is refused first (the batch then goes message by message).
     store.inject(Method::MarkDeadClaimed, Some(&unmarked), Fault::Refused, 1);
     store.inject(Method::Commit, None, Fault::CommitAppliedReplyLost, 3);
+    let by_offsets = crate::dedup() != inbox::Dedup::Ids;
+    if by_offsets {
+        store.inject(Method::ClaimOffsets, None, Fault::Unavailable, 3);
+        store.inject(Method::SetNextOffset, None, Fault::Unavailable, 1);
+    }
     let script = Arc::new(Script {
         always_fail: HashSet::from([gate.clone(), uncounted.clone()]),
         permanent: HashSet::from([unmarked.clone()]),
@@ -357,7 +365,8 @@ pub async fn store_faults_neither_wedge_nor_stop<D: TestDb>(
     )
     .reconnect_backoff(
         RetryPolicy::default().with_delays(Duration::from_millis(10), Duration::from_millis(200)),
-    );
+    )
+    .dedup(crate::dedup());
     let consumer = if crate::batched() {
         consumer.batch(inbox::Batching::new(16, Duration::from_millis(5)))
     } else {
@@ -399,13 +408,17 @@ pub async fn store_faults_neither_wedge_nor_stop<D: TestDb>(
         reason(&unmarked)
     );
     let fired = store.fired();
+    let offset_faults = by_offsets.then_some((Method::ClaimOffsets, Fault::Unavailable));
     for expected in [
         (Method::RecordFailure, Fault::Unavailable),
         (Method::MarkDeadClaimed, Fault::Unavailable),
         (Method::RecordFailure, Fault::Refused),
         (Method::RecordDead, Fault::Refused),
         (Method::Commit, Fault::CommitAppliedReplyLost),
-    ] {
+    ]
+    .into_iter()
+    .chain(offset_faults)
+    {
         assert!(
             fired.contains(&expected),
             "{expected:?} never fired: {fired:?}"
@@ -413,6 +426,19 @@ pub async fn store_faults_neither_wedge_nor_stop<D: TestDb>(
     }
     let row = s.db.row(&s.store, &name, &gate).await.expect("a row");
     assert!(row.dead, "{row:?}");
+    if by_offsets {
+        // Had a fault left a partition's kept offset behind what was handled and acked, the
+        // consumer started again would be sent back there and handle those records twice.
+        let later: Vec<String> = (15..18).map(|i| s.id(i)).collect();
+        for (i, id) in later.iter().enumerate() {
+            s.publish(id, 15 + i).await;
+        }
+        let running = Running::start(&consumer, 1);
+        s.wait_for(&[&name], good.len() + later.len()).await;
+        running.stop().await;
+        let all: Vec<String> = good.iter().chain(&later).cloned().collect();
+        s.assert_exactly_once(&[&name], &all).await;
+    }
 }
 
 /// The store's bookkeeping answers, method by method, the same on every database: failures and
