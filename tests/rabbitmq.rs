@@ -697,6 +697,56 @@ async fn two_readers_of_one_dead_letter_queue_both_end() {
     );
 }
 
+/// A subscription that ends while another on the same connection holds a delivery: the held
+/// delivery's ack still goes out. (lapin cancels a dropped consumer in the background and takes a
+/// failure of that cancel — as when the channel's close overtakes it — for an error of the whole
+/// connection, which voids every other channel's acks; seen as a dead-letter reader's lost acks.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_subscription_ending_leaves_the_other_subscriptions_acks_alone() {
+    use futures::StreamExt;
+    use inbox::Transport as _;
+    use inbox::rabbitmq::{RabbitMqConfig, RabbitMqTransport};
+
+    let transport = RabbitMqTransport::connect(
+        conformance::services::amqp_url(),
+        RabbitMqConfig::default().queue_expires(std::time::Duration::from_secs(600)),
+    )
+    .await
+    .unwrap();
+    let run = uuid::Uuid::new_v4().simple();
+    let (held, empty) = (
+        format!("held-{run}.dead-letter"),
+        format!("empty-{run}.dead-letter"),
+    );
+    drop(transport.read_dead_letters(&held).await.unwrap());
+    drop(transport.read_dead_letters(&empty).await.unwrap());
+    for round in 0..20 {
+        transport
+            .publish(
+                &held,
+                inbox::OutgoingMessage::new(format!("held-{round}"), "{}"),
+            )
+            .await
+            .unwrap();
+        let mut letters = transport.read_dead_letters(&held).await.unwrap();
+        let letter = tokio::time::timeout(conformance::DEADLINE, letters.next())
+            .await
+            .expect("the held letter arrives")
+            .expect("one letter")
+            .unwrap();
+        // Subscriptions that end at once, beside the one that holds a delivery, many at a time
+        // (the race is narrow).
+        futures::future::join_all((0..100).map(|_| async {
+            drop(transport.read_dead_letters(&empty).await.unwrap());
+        }))
+        .await;
+        letter
+            .ack(inbox::transport::AckToken::for_transport_tests())
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: the held letter's ack was lost: {e}"));
+    }
+}
+
 /// RabbitMQ's memory alarm, raised by a watermark no broker stays under; dropping the guard
 /// sets the default watermark (0.4) back, which clears it.
 struct MemoryAlarm;

@@ -1,12 +1,14 @@
 //! Consuming a queue: the delivery stream and the channel behind it.
 
+use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::task::{Context, Poll, ready};
 
-use futures::StreamExt;
+use futures::{Stream, StreamExt};
 use inbox_core::{Delivery, DeliveryStream, TransportError};
 use lapin::Channel;
-use lapin::options::{BasicConsumeOptions, BasicQosOptions};
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 
 use crate::connection::{broker_error, short};
@@ -46,54 +48,160 @@ impl RabbitMqTransport {
             channel = channel.id(),
             "consuming from RabbitMQ"
         );
-        let unsettled = Arc::clone(&self.unsettled);
-        let counts = self.config.queue_type == QueueType::Quorum;
-        let careful = Arc::clone(&self.careful);
-        let queue = queue.to_owned();
-        let stream = deliveries.map(move |next| match next {
-            Ok(delivery) => Ok(Box::new(RabbitDelivery::new(
-                delivery, &guard.0, &unsettled, counts, &careful,
-            )) as Box<dyn Delivery>),
+        Ok(Box::pin(ConsumerStream::new(
+            deliveries,
+            guard,
+            Arc::clone(&self.unsettled),
+            self.config.queue_type == QueueType::Quorum,
+            Arc::clone(&self.careful),
+            queue.to_owned(),
+        )))
+    }
+}
+
+/// A delivery stream: the lapin consumer, and the channel it is on.
+///
+/// lapin cancels a consumer that is dropped in the background, and takes a failure of that
+/// cancel — as when the channel's close overtakes it — for an error of the whole connection,
+/// which voids the acks of every other subscription on it (seen: a dead-letter reader's acks lost
+/// when another reader's stream ended). So a stream that ends cancels its consumer itself, drops
+/// it only once the cancel is answered, and only then may the channel close.
+struct ConsumerStream {
+    consumer: Option<lapin::Consumer>,
+    guard: StreamGuard,
+    unsettled: Arc<AtomicUsize>,
+    counts: bool,
+    careful: Arc<AtomicU32>,
+    queue: String,
+}
+
+impl ConsumerStream {
+    fn new(
+        consumer: lapin::Consumer,
+        guard: StreamGuard,
+        unsettled: Arc<AtomicUsize>,
+        counts: bool,
+        careful: Arc<AtomicU32>,
+        queue: String,
+    ) -> Self {
+        guard.0.cancelled.store(false, Ordering::SeqCst);
+        Self {
+            consumer: Some(consumer),
+            guard,
+            unsettled,
+            counts,
+            careful,
+            queue,
+        }
+    }
+}
+
+impl Stream for ConsumerStream {
+    type Item = Result<Box<dyn Delivery>, TransportError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        let Some(consumer) = this.consumer.as_mut() else {
+            return Poll::Ready(None);
+        };
+        Poll::Ready(match ready!(consumer.poll_next_unpin(cx)) {
+            None => None,
+            Some(Ok(delivery)) => Some(Ok(Box::new(RabbitDelivery::new(
+                delivery,
+                &this.guard.0,
+                &this.unsettled,
+                this.counts,
+                &this.careful,
+            )) as Box<dyn Delivery>)),
             // A frame lapin cannot parse — a short string (message_id, a header name, …) that is
             // not UTF-8 — kills the whole connection, and the broker redelivers that message
             // first. Only a quorum queue's delivery limit takes it out (to the quarantine
             // queue); until then, one message at a time, so that it alone is counted.
-            Err(e) if matches!(e.kind(), lapin::ErrorKind::ParsingError(_)) => {
-                careful.store(CAREFUL_ACKS, Ordering::SeqCst);
+            Some(Err(e)) if matches!(e.kind(), lapin::ErrorKind::ParsingError(_)) => {
+                this.careful.store(CAREFUL_ACKS, Ordering::SeqCst);
                 tracing::error!(
-                    queue = %queue,
+                    queue = %this.queue,
                     error = %e,
                     "a delivery RabbitMQ sent could not be parsed (a non-UTF-8 message_id, type or header name?); the connection is lost and the broker will deliver it again. A quorum queue with a delivery limit moves it to its quarantine queue; a classic queue is stuck behind it until it is removed"
                 );
-                Err(TransportError::Disconnected(Box::new(e)))
+                Some(Err(TransportError::Disconnected(Box::new(e))))
             }
             // The channel of an established consumer was closed — by the connection dying, or by
             // the server: `consumer_timeout` (406) after deliveries stayed unacked through a long
             // database outage, a deleted queue (404). Subscribing again either works or reports
             // the refusal then; so it is never a reason for the consumer to stop.
-            Err(e) => {
-                tracing::warn!(queue = %queue, error = %e, "RabbitMQ consumer channel closed");
-                Err(TransportError::Disconnected(Box::new(e)))
+            Some(Err(e)) => {
+                tracing::warn!(queue = %this.queue, error = %e, "RabbitMQ consumer channel closed");
+                Some(Err(TransportError::Disconnected(Box::new(e))))
             }
-        });
-        Ok(Box::pin(stream))
+        })
     }
 }
 
-/// One subscription's channel. It is closed once the delivery stream is gone and every delivery
-/// from it is settled, so that the broker requeues at once what it had pushed to this consumer
-/// and no one will handle (the prefetched rest).
+impl Drop for ConsumerStream {
+    fn drop(&mut self) {
+        let Some(consumer) = self.consumer.take() else {
+            return;
+        };
+        let subscription = Arc::clone(&self.guard.0);
+        let cancel = async move {
+            let cancelled = tokio::time::timeout(
+                CANCEL_TIMEOUT,
+                subscription
+                    .channel
+                    .basic_cancel(consumer.tag(), BasicCancelOptions::default()),
+            )
+            .await;
+            if !matches!(cancelled, Ok(Ok(()))) {
+                // The channel or connection is gone already (its close says why), or the cancel
+                // was not answered: the close ends the consumer either way.
+                tracing::debug!(
+                    channel = subscription.channel.id(),
+                    "consumer cancel not confirmed"
+                );
+            }
+            drop(consumer);
+            subscription.cancelled.store(true, Ordering::SeqCst);
+            subscription.close_when_done();
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(cancel)),
+            // (Then no close can overtake lapin's own cancel either.)
+            Err(_) => {
+                drop(cancel);
+                self.guard.0.cancelled.store(true, Ordering::SeqCst);
+            }
+        }
+    }
+}
+
+/// How long a consumer's cancel may take before its channel is closed anyway.
+const CANCEL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// One subscription's channel. It is closed once the delivery stream is gone, its consumer
+/// cancelled and every delivery from it settled, so that the broker requeues at once what it had
+/// pushed to this consumer and no one will handle (the prefetched rest).
 pub(crate) struct ConsumerChannel {
     pub(crate) channel: Channel,
     pub(crate) outstanding: AtomicUsize,
     stream_gone: AtomicBool,
+    /// No consumer on the channel is left to cancel (true until one is subscribed).
+    cancelled: AtomicBool,
     closed: AtomicBool,
 }
 
 impl ConsumerChannel {
     pub(crate) fn release(self: &Arc<Self>) {
-        if self.outstanding.fetch_sub(1, Ordering::SeqCst) == 1
-            && self.stream_gone.load(Ordering::SeqCst)
+        self.outstanding.fetch_sub(1, Ordering::SeqCst);
+        self.close_when_done();
+    }
+
+    /// Each of the three conditions is set before this is called, so whichever is met last
+    /// closes the channel.
+    fn close_when_done(self: &Arc<Self>) {
+        if self.stream_gone.load(Ordering::SeqCst)
+            && self.cancelled.load(Ordering::SeqCst)
+            && self.outstanding.load(Ordering::SeqCst) == 0
         {
             self.close();
         }
@@ -130,6 +238,7 @@ impl StreamGuard {
             channel,
             outstanding: AtomicUsize::new(0),
             stream_gone: AtomicBool::new(false),
+            cancelled: AtomicBool::new(true),
             closed: AtomicBool::new(false),
         }))
     }
@@ -144,8 +253,6 @@ impl Drop for StreamGuard {
             outstanding,
             "delivery stream dropped"
         );
-        if outstanding == 0 {
-            self.0.close();
-        }
+        self.0.close_when_done();
     }
 }
