@@ -36,8 +36,8 @@ conformance_suite!(
     dedup = OffsetsAndIds
 );
 // Offsets mode alone: each partition's next offset in `inbox_offsets`, no row per message; the
-// scenarios without producer duplicates, per message, in batches and with a batch handler; and
-// a few per message on MariaDB and SQLite.
+// scenarios without producer duplicates, per message, in batches and with a batch handler on
+// PostgreSQL, and per message on MariaDB and SQLite.
 conformance::offsets_suite!(kafka_postgres_offsets, Kafka { ordered: true }, async {
     conformance::stores::Postgres
 });
@@ -55,28 +55,12 @@ conformance::offsets_suite!(
     batched = true,
     whole = true
 );
-conformance::offsets_suite!(
-    kafka_mysql_offsets,
-    Kafka { ordered: true },
-    async { conformance::stores::MySql },
-    only = [
-        killed_and_restarted,
-        failing_handler_is_retried_then_succeeds,
-        invalid_ids_are_dead_lettered,
-        producer_duplicates_by_dedup_mode,
-    ]
-);
-conformance::offsets_suite!(
-    kafka_sqlite_offsets,
-    Kafka { ordered: true },
-    async { conformance::stores::Sqlite },
-    only = [
-        killed_and_restarted,
-        failing_handler_is_retried_then_succeeds,
-        invalid_ids_are_dead_lettered,
-        producer_duplicates_by_dedup_mode,
-    ]
-);
+conformance::offsets_suite!(kafka_mysql_offsets, Kafka { ordered: true }, async {
+    conformance::stores::MySql
+});
+conformance::offsets_suite!(kafka_sqlite_offsets, Kafka { ordered: true }, async {
+    conformance::stores::Sqlite
+});
 
 /// A scenario on PostgreSQL whose source has one partition (its offsets are the publish order),
 /// with ten messages published; their ids.
@@ -102,6 +86,60 @@ async fn one_partition_of_ten() -> (
     (s, ids)
 }
 
+/// Sets the offset kept for partition 0 of the scenario's source, as a consumer's commit would.
+async fn keep_offset(
+    s: &conformance::Scenario<conformance::stores::Postgres>,
+    name: &inbox::ConsumerName,
+    next: i64,
+) {
+    use inbox::InboxStore;
+
+    let mut tx = s.store.begin().await.unwrap();
+    s.store
+        .claim_offsets(&mut tx, name, &s.source, 0, (0, 0))
+        .await
+        .unwrap();
+    s.store
+        .set_next_offset(&mut tx, name, &s.source, 0, next)
+        .await
+        .unwrap();
+    s.store.commit(tx).await.unwrap();
+}
+
+/// Offsets mode: a kept offset past the partition's end belongs to another log (the topic was
+/// deleted and created again under its name): starting there would take every record before it
+/// for a copy and lose it unread. The consumer stops with an error that names the rows to
+/// delete, having handled nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_offset_past_the_partitions_end_stops_the_consumer() {
+    use inbox::{CancellationToken, ConsumerError, Dedup, TransportError};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    let (s, _) = one_partition_of_ten().await;
+    let name = s.name("recreated");
+    keep_offset(&s, &name, 1_000).await;
+    let script = Arc::new(conformance::Script::default());
+    let consumer = conformance::DEDUP
+        .scope(Dedup::Offsets, async { s.consumer(&name, &script) })
+        .await;
+    let ended = tokio::time::timeout(
+        Duration::from_secs(60),
+        consumer.run(CancellationToken::new()),
+    )
+    .await
+    .expect("the consumer stops by itself");
+    match ended {
+        Err(ConsumerError::Transport(TransportError::Config(reason))) => assert!(
+            reason.contains("past the partition's end") && reason.contains("inbox_offsets"),
+            "{reason}"
+        ),
+        other => panic!("the consumer should stop with a configuration error: {other:?}"),
+    }
+    assert!(s.effects().await.is_empty(), "nothing is handled");
+    assert_eq!(consumer.report().deliveries, 0);
+}
+
 /// Offsets mode: a partition starts where the database says, not where the broker's committed
 /// offset is — past records the database has (committed before a crash kept the broker from
 /// hearing of them: skipped unread), and back to records it lacks (a database restored from a
@@ -113,21 +151,7 @@ async fn the_kept_offset_decides_where_a_partition_starts() {
 
     let (s, ids) = one_partition_of_ten().await;
     let name = s.name("kept");
-    let keep = |next: i64| {
-        let (store, name, source) = (s.store.clone(), name.clone(), s.source.clone());
-        async move {
-            let mut tx = store.begin().await.unwrap();
-            store
-                .claim_offsets(&mut tx, &name, &source, 0, (0, 0))
-                .await
-                .unwrap();
-            store
-                .set_next_offset(&mut tx, &name, &source, 0, next)
-                .await
-                .unwrap();
-            store.commit(tx).await.unwrap();
-        }
-    };
+    let keep = |next: i64| keep_offset(&s, &name, next);
     // Records 0..=3 handled and committed to the database, the broker not told.
     keep(4).await;
     let script = Arc::new(conformance::Script::default());

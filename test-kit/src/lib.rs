@@ -336,14 +336,6 @@ macro_rules! offsets_suite {
     ($module:ident, $brokers:expr, $db:expr) => {
         $crate::offsets_suite!($module, $brokers, $db, batched = false, whole = false);
     };
-    // A few of them (another store: the store's own claim is `store_keeps_offsets_monotone`'s).
-    ($module:ident, $brokers:expr, $db:expr, only = [$($scenario:ident),* $(,)?]) => {
-        mod $module {
-            #[allow(unused_imports)]
-            use super::*;
-            $crate::conformance_suite!(@tests $brokers, $db, (false, false), Offsets; $($scenario),*);
-        }
-    };
     ($module:ident, $brokers:expr, $db:expr, batched = $batched:expr, whole = $whole:expr) => {
         mod $module {
             #[allow(unused_imports)]

@@ -121,7 +121,14 @@ pub(crate) async fn poll(
                 if tracker.rebalances() != rebalances {
                     continue;
                 }
-                let start = start_at(&consumer, &record, started);
+                let start = match start_at(&consumer, &record, started) {
+                    Ok(start) => start,
+                    Err(e) => {
+                        ending = true;
+                        pending = Some(Err(e));
+                        continue;
+                    }
+                };
                 if tracker.start(&record.topic, record.partition, start, rebalances) && start == Start::Open {
                     pending = Some(Ok(deliver(record, &tracker, ordered, &settle, &unsettled, &mut outstanding)));
                 }
@@ -144,10 +151,9 @@ pub(crate) async fn poll(
                                 Some(true) => {}
                                 Some(false) => continue,
                                 None => {
-                                    let (source, topic, partition) = (Arc::clone(&offsets.0), record.topic.clone(), record.partition);
                                     starting = Some(Starting {
                                         rebalances: tracker.rebalances(),
-                                        kept: tokio::spawn(async move { source.next_offset(&topic, partition).await }),
+                                        kept: tokio::spawn(look_up(Arc::clone(&offsets.0), Arc::clone(&consumer), &record)),
                                         record,
                                     });
                                     continue;
@@ -208,7 +214,47 @@ struct Record {
 struct Starting {
     record: Record,
     rebalances: usize,
-    kept: tokio::task::JoinHandle<Result<Option<i64>, StoreError>>,
+    kept: tokio::task::JoinHandle<Result<Kept, StoreError>>,
+}
+
+/// The offset kept for a partition, and, where it is ahead of the record read, where the
+/// partition's log ends (when the broker said).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Kept {
+    next: Option<i64>,
+    end: Option<i64>,
+}
+
+/// Reads the offset kept for `record`'s partition; when it is ahead of the record, also asks the
+/// broker where the partition ends (off the async threads: the client blocks).
+fn look_up(
+    source: Arc<dyn inbox_core::OffsetSource>,
+    consumer: Arc<KafkaConsumer>,
+    record: &Record,
+) -> impl std::future::Future<Output = Result<Kept, StoreError>> + Send + 'static {
+    let (topic, partition, offset) = (record.topic.clone(), record.partition, record.offset);
+    async move {
+        let next = source.next_offset(&topic, partition).await?;
+        let end = match next {
+            Some(next) if next > offset => {
+                let watermarks = tokio::task::spawn_blocking(move || {
+                    consumer.fetch_watermarks(&topic, partition, Duration::from_secs(5))
+                })
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|asked| asked.map_err(|e| e.to_string()));
+                match watermarks {
+                    Ok((_, high)) => Some(high),
+                    Err(error) => {
+                        tracing::debug!(%error, "the partition's end is unknown; not checked");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
+        Ok(Kept { next, end })
+    }
 }
 
 /// Registers `record` with the tracker and makes it a delivery.
@@ -241,23 +287,38 @@ fn deliver(
 /// offset kept for it; seeks there when that is another record. The database, not the broker,
 /// is the truth of what was consumed: a kept offset ahead of the broker's skips what was handled
 /// and not yet committed to the broker, one behind it goes back (the broker's offsets were moved
-/// by hand, or the database restored from a backup).
+/// by hand, or the database restored from a backup). A kept offset past the partition's end
+/// belongs to another log — the topic deleted and created again, another cluster — and would
+/// take every record up to it for a copy: an error, which stops the consumer.
 fn start_at(
     consumer: &KafkaConsumer,
     record: &Record,
-    kept: Result<Result<Option<i64>, StoreError>, tokio::task::JoinError>,
-) -> Start {
+    kept: Result<Result<Kept, StoreError>, tokio::task::JoinError>,
+) -> Result<Start, TransportError> {
     let (topic, partition, offset) = (record.topic.as_str(), record.partition, record.offset);
     let next = match kept
         .map_err(|e| e.to_string())
         .and_then(|read| read.map_err(|e| e.to_string()))
     {
-        Ok(Some(next)) if next != offset => next,
-        Ok(_) => return Start::Open,
+        Ok(Kept {
+            next: Some(next),
+            end: Some(end),
+        }) if next > end => {
+            return Err(TransportError::Config(format!(
+                "the offset kept in inbox_offsets for {topic}/{partition} is {next}, past the \
+                 partition's end ({end}): the topic was deleted and created again, or this is \
+                 another cluster; delete this consumer's rows of {topic} in inbox_offsets to \
+                 start at the broker's offsets"
+            )));
+        }
+        Ok(Kept {
+            next: Some(next), ..
+        }) if next != offset => next,
+        Ok(_) => return Ok(Start::Open),
         Err(error) => {
             // The claim still tells copies by their offsets; only the seek is lost.
             tracing::warn!(%error, topic, partition, "could not read the kept offset; starting at the broker's");
-            return Start::Open;
+            return Ok(Start::Open);
         }
     };
     if next < offset {
@@ -291,16 +352,16 @@ fn start_at(
             {
                 tracing::debug!(error = %e, topic, partition, "kept offset not stored");
             }
-            Start::At(next)
+            Ok(Start::At(next))
         }
         Err(e) if next > offset => {
             tracing::warn!(error = %e, topic, partition, "seek failed; skipping the records before the kept offset instead");
-            Start::At(next)
+            Ok(Start::At(next))
         }
         Err(e) => {
             // Never lost: the broker's position is past records already handled.
             tracing::warn!(error = %e, topic, partition, "seek back failed; starting at the broker's offset");
-            Start::Open
+            Ok(Start::Open)
         }
     }
 }
