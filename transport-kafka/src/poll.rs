@@ -86,7 +86,7 @@ pub(crate) async fn poll(
                 }
             },
             () = sender.closed(), if streaming && pending.is_none() => streaming = false,
-            _ = checks.tick(), if guard.is_some() && streaming && !ending && checking.is_none() => {
+            _ = checks.tick(), if guard.is_some() && streaming && !ending && checking.is_none() && starting.is_none() => {
                 if outstanding == 0 && pending.is_none() {
                     let (consumer, topic) = (Arc::clone(&consumer), topic.clone());
                     checking = Some(tokio::task::spawn_blocking(move || crate::guard::sample(&*consumer, &topic)));
@@ -117,8 +117,9 @@ pub(crate) async fn poll(
             started = async { (&mut starting.as_mut().expect("checked").kept).await }, if starting.is_some() => {
                 let Starting { record, rebalances, .. } = starting.take().expect("checked");
                 // A rebalance since the lookup: the record is dropped, and read again wherever
-                // the partition's new assignment starts (looked up again then).
-                if tracker.rebalances() != rebalances {
+                // the partition's new assignment starts (looked up again then). Likewise once the
+                // stream is ending (its error must not be overwritten): read again after it.
+                if tracker.rebalances() != rebalances || ending {
                     continue;
                 }
                 let start = match start_at(&consumer, &record, started) {
@@ -190,6 +191,13 @@ pub(crate) async fn poll(
     if let Some(check) = checking {
         let _ = check.await;
     }
+    // A lookup still running is of no use now. Aborted while this loop still holds the client,
+    // so the client is not dropped on an async thread; a watermark request in flight holds it
+    // until that request times out (5 s).
+    if let Some(Starting { kept, .. }) = starting {
+        kept.abort();
+        let _ = kept.await;
+    }
     let closed = tokio::task::spawn_blocking(move || {
         if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
             tracing::debug!(error = %e, "final commit");
@@ -237,8 +245,9 @@ fn look_up(
         let next = source.next_offset(&topic, partition).await?;
         let end = match next {
             Some(next) if next > offset => {
+                let asked = topic.clone();
                 let watermarks = tokio::task::spawn_blocking(move || {
-                    consumer.fetch_watermarks(&topic, partition, Duration::from_secs(5))
+                    consumer.fetch_watermarks(&asked, partition, Duration::from_secs(5))
                 })
                 .await
                 .map_err(|e| e.to_string())
@@ -246,7 +255,7 @@ fn look_up(
                 match watermarks {
                     Ok((_, high)) => Some(high),
                     Err(error) => {
-                        tracing::debug!(%error, "the partition's end is unknown; not checked");
+                        tracing::warn!(%error, topic, partition, next, "the partition's end is unknown: whether the kept offset is past it is not checked");
                         None
                     }
                 }
@@ -306,8 +315,9 @@ fn start_at(
         }) if next > end => {
             return Err(TransportError::Config(format!(
                 "the offset kept in inbox_offsets for {topic}/{partition} is {next}, past the \
-                 partition's end ({end}): the topic was deleted and created again, or this is \
-                 another cluster; delete this consumer's rows of {topic} in inbox_offsets to \
+                 partition's end ({end}): the topic was deleted and created again, this is \
+                 another cluster, or the broker lost records (a log truncated by an unclean \
+                 leader election); delete this consumer's rows of {topic} in inbox_offsets to \
                  start at the broker's offsets"
             )));
         }

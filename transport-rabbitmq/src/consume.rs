@@ -166,7 +166,8 @@ impl Drop for ConsumerStream {
         };
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => drop(runtime.spawn(cancel)),
-            // (Then no close can overtake lapin's own cancel either.)
+            // No runtime: our close cannot start, and lapin's own close of the channel waits for
+            // its cancel's answer (its copy of the consumer holds the channel until then).
             Err(_) => {
                 drop(cancel);
                 self.guard.0.cancelled.store(true, Ordering::SeqCst);
