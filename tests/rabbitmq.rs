@@ -624,6 +624,18 @@ async fn consumer_timeout_during_a_database_outage_alone() {
     );
 }
 
+/// A transport whose queues expire unused after 10 minutes (tests' queues leave nothing behind).
+async fn expiring_queues() -> inbox::rabbitmq::RabbitMqTransport {
+    use inbox::rabbitmq::{RabbitMqConfig, RabbitMqTransport};
+
+    RabbitMqTransport::connect(
+        conformance::services::amqp_url(),
+        RabbitMqConfig::default().queue_expires(std::time::Duration::from_secs(600)),
+    )
+    .await
+    .unwrap()
+}
+
 /// Two readers of one dead-letter queue at once (two operators replaying): each counts the
 /// letters ready when it begins, and the broker shares them out between the two, so neither gets
 /// its count — each must end anyway, not wait for letters the other holds (review #26). Every
@@ -632,14 +644,8 @@ async fn consumer_timeout_during_a_database_outage_alone() {
 async fn two_readers_of_one_dead_letter_queue_both_end() {
     use futures::StreamExt;
     use inbox::Transport as _;
-    use inbox::rabbitmq::{RabbitMqConfig, RabbitMqTransport};
 
-    let transport = RabbitMqTransport::connect(
-        conformance::services::amqp_url(),
-        RabbitMqConfig::default().queue_expires(std::time::Duration::from_secs(600)),
-    )
-    .await
-    .unwrap();
+    let transport = expiring_queues().await;
     let destination = format!("readers-{}.dead-letter", uuid::Uuid::new_v4().simple());
     // The first read declares the queue.
     drop(transport.read_dead_letters(&destination).await.unwrap());
@@ -705,14 +711,8 @@ async fn two_readers_of_one_dead_letter_queue_both_end() {
 async fn a_subscription_ending_leaves_the_other_subscriptions_acks_alone() {
     use futures::StreamExt;
     use inbox::Transport as _;
-    use inbox::rabbitmq::{RabbitMqConfig, RabbitMqTransport};
 
-    let transport = RabbitMqTransport::connect(
-        conformance::services::amqp_url(),
-        RabbitMqConfig::default().queue_expires(std::time::Duration::from_secs(600)),
-    )
-    .await
-    .unwrap();
+    let transport = expiring_queues().await;
     let run = uuid::Uuid::new_v4().simple();
     let (held, empty) = (
         format!("held-{run}.dead-letter"),
