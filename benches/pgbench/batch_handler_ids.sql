@@ -1,7 +1,7 @@
 -- A batch handler's transaction: 64 ids claimed in one statement, 64 rows written in one.
 \set n random(1, 1000000000000000)
 BEGIN;
-INSERT INTO inbox_messages (consumer, message_id, processed_at) SELECT 'pgbench', id, now() FROM (SELECT :client_id || '-' || :n || '-' || g AS id FROM generate_series(0, 63) g) t ORDER BY id ON CONFLICT (consumer, message_id) DO UPDATE SET processed_at = now() WHERE inbox_messages.processed_at IS NULL AND inbox_messages.dead_lettered_at IS NULL RETURNING message_id, attempts, last_error;
-INSERT INTO bench_effects (run, message_id, payload) SELECT 'pgbench', :client_id || '-' || :n || '-' || g, 'booked' FROM generate_series(0, 63) g;
+INSERT INTO inbox_messages (consumer, message_id, processed_at) SELECT 'pgbench', id, now() FROM (SELECT :client_id || '-' || :n || '-' || g AS id FROM generate_series(0, #last) g) t ORDER BY id ON CONFLICT (consumer, message_id) DO UPDATE SET processed_at = now() WHERE inbox_messages.processed_at IS NULL AND inbox_messages.dead_lettered_at IS NULL RETURNING message_id, attempts, last_error;
+INSERT INTO bench_effects (run, message_id, payload) SELECT 'pgbench', :client_id || '-' || :n || '-' || g, 'booked' FROM generate_series(0, #last) g;
 SELECT 1;
 COMMIT;
