@@ -251,7 +251,7 @@ fn look_up(
                 })
                 .await
                 .map_err(|e| e.to_string())
-                .and_then(|asked| asked.map_err(|e| e.to_string()));
+                .and_then(|answer| answer.map_err(|e| e.to_string()));
                 match watermarks {
                     Ok((_, high)) => Some(high),
                     Err(error) => {

@@ -2,8 +2,8 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::task::{Context, Poll, ready};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 
 use futures::{Stream, StreamExt};
 use inbox_core::{Delivery, DeliveryStream, TransportError};
@@ -48,102 +48,79 @@ impl RabbitMqTransport {
             channel = channel.id(),
             "consuming from RabbitMQ"
         );
-        Ok(Box::pin(ConsumerStream::new(
-            deliveries,
-            guard,
-            Arc::clone(&self.unsettled),
-            self.config.queue_type == QueueType::Quorum,
-            Arc::clone(&self.careful),
-            queue.to_owned(),
-        )))
-    }
-}
-
-/// A delivery stream: the lapin consumer, and the channel it is on.
-///
-/// lapin cancels a consumer that is dropped in the background, and takes a failure of that
-/// cancel — as when the channel's close overtakes it — for an error of the whole connection,
-/// which voids the acks of every other subscription on it (seen: a dead-letter reader's acks lost
-/// when another reader's stream ended). So a stream that ends cancels its consumer itself, drops
-/// it only once the cancel is answered, and only then may the channel close.
-struct ConsumerStream {
-    consumer: Option<lapin::Consumer>,
-    guard: StreamGuard,
-    unsettled: Arc<AtomicUsize>,
-    counts: bool,
-    careful: Arc<AtomicU32>,
-    queue: String,
-}
-
-impl ConsumerStream {
-    fn new(
-        consumer: lapin::Consumer,
-        guard: StreamGuard,
-        unsettled: Arc<AtomicUsize>,
-        counts: bool,
-        careful: Arc<AtomicU32>,
-        queue: String,
-    ) -> Self {
-        guard.0.cancelled.store(false, Ordering::SeqCst);
-        Self {
-            consumer: Some(consumer),
-            guard,
-            unsettled,
-            counts,
-            careful,
-            queue,
-        }
-    }
-}
-
-impl Stream for ConsumerStream {
-    type Item = Result<Box<dyn Delivery>, TransportError>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let this = &mut *self;
-        let Some(consumer) = this.consumer.as_mut() else {
-            return Poll::Ready(None);
-        };
-        Poll::Ready(match ready!(consumer.poll_next_unpin(cx)) {
-            None => None,
-            Some(Ok(delivery)) => Some(Ok(Box::new(RabbitDelivery::new(
-                delivery,
-                &this.guard.0,
-                &this.unsettled,
-                this.counts,
-                &this.careful,
-            )) as Box<dyn Delivery>)),
+        let unsettled = Arc::clone(&self.unsettled);
+        let counts = self.config.queue_type == QueueType::Quorum;
+        let careful = Arc::clone(&self.careful);
+        let queue = queue.to_owned();
+        let stream = CancelOnDrop::new(deliveries, &guard.0).map(move |next| match next {
+            Ok(delivery) => Ok(Box::new(RabbitDelivery::new(
+                delivery, &guard.0, &unsettled, counts, &careful,
+            )) as Box<dyn Delivery>),
             // A frame lapin cannot parse — a short string (message_id, a header name, …) that is
             // not UTF-8 — kills the whole connection, and the broker redelivers that message
             // first. Only a quorum queue's delivery limit takes it out (to the quarantine
             // queue); until then, one message at a time, so that it alone is counted.
-            Some(Err(e)) if matches!(e.kind(), lapin::ErrorKind::ParsingError(_)) => {
-                this.careful.store(CAREFUL_ACKS, Ordering::SeqCst);
+            Err(e) if matches!(e.kind(), lapin::ErrorKind::ParsingError(_)) => {
+                careful.store(CAREFUL_ACKS, Ordering::SeqCst);
                 tracing::error!(
-                    queue = %this.queue,
+                    queue = %queue,
                     error = %e,
                     "a delivery RabbitMQ sent could not be parsed (a non-UTF-8 message_id, type or header name?); the connection is lost and the broker will deliver it again. A quorum queue with a delivery limit moves it to its quarantine queue; a classic queue is stuck behind it until it is removed"
                 );
-                Some(Err(TransportError::Disconnected(Box::new(e))))
+                Err(TransportError::Disconnected(Box::new(e)))
             }
             // The channel of an established consumer was closed — by the connection dying, or by
             // the server: `consumer_timeout` (406) after deliveries stayed unacked through a long
             // database outage, a deleted queue (404). Subscribing again either works or reports
             // the refusal then; so it is never a reason for the consumer to stop.
-            Some(Err(e)) => {
-                tracing::warn!(queue = %this.queue, error = %e, "RabbitMQ consumer channel closed");
-                Some(Err(TransportError::Disconnected(Box::new(e))))
+            Err(e) => {
+                tracing::warn!(queue = %queue, error = %e, "RabbitMQ consumer channel closed");
+                Err(TransportError::Disconnected(Box::new(e)))
             }
-        })
+        });
+        Ok(Box::pin(stream))
     }
 }
 
-impl Drop for ConsumerStream {
+/// The lapin consumer of a delivery stream, cancelled by the stream itself when it ends.
+///
+/// lapin cancels a consumer that is dropped in the background, and takes a failure of that
+/// cancel — as when the channel's close overtakes it — for an error of the whole connection,
+/// which voids the acks of every other subscription on it (seen: a dead-letter reader's acks lost
+/// when another reader's stream ended). So this cancels the consumer itself, drops it only once
+/// the cancel is answered, and only then lets the channel close.
+struct CancelOnDrop {
+    consumer: Option<lapin::Consumer>,
+    subscription: Arc<ConsumerChannel>,
+}
+
+impl CancelOnDrop {
+    fn new(consumer: lapin::Consumer, subscription: &Arc<ConsumerChannel>) -> Self {
+        subscription.cancelled.store(false, Ordering::SeqCst);
+        Self {
+            consumer: Some(consumer),
+            subscription: Arc::clone(subscription),
+        }
+    }
+}
+
+impl Stream for CancelOnDrop {
+    type Item = lapin::Result<lapin::message::Delivery>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        match self.consumer.as_mut() {
+            Some(consumer) => consumer.poll_next_unpin(cx),
+            None => Poll::Ready(None),
+        }
+    }
+}
+
+impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         let Some(consumer) = self.consumer.take() else {
             return;
         };
-        let subscription = Arc::clone(&self.guard.0);
+        let subscription = Arc::clone(&self.subscription);
         let cancel = async move {
             let cancelled = tokio::time::timeout(
                 CANCEL_TIMEOUT,
@@ -170,7 +147,7 @@ impl Drop for ConsumerStream {
             // its cancel's answer (its copy of the consumer holds the channel until then).
             Err(_) => {
                 drop(cancel);
-                self.guard.0.cancelled.store(true, Ordering::SeqCst);
+                self.subscription.cancelled.store(true, Ordering::SeqCst);
             }
         }
     }
