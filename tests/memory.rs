@@ -1079,3 +1079,67 @@ mod whole_batch_splitting {
         conformance::whole_batches_isolate_the_failing_message(&Memory, &db).await;
     }
 }
+
+/// The relay's claim reads a backlog by the pending index whatever the table's statistics say.
+/// A queue table is nearly empty whenever autovacuum analyzes it; with those statistics and a
+/// backlog, PostgreSQL's planner would read the whole table and sort it for every batch, and
+/// draining a backlog would take time quadratic in its size. The table's own scan counters tell
+/// which plan ran (one pooled connection; `pg_stat_force_next_flush`, PostgreSQL 15, makes its
+/// counters visible at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_is_claimed_by_the_index_whatever_the_statistics() {
+    use std::time::Duration;
+
+    use conformance::stores::Postgres;
+    use inbox::outbox::OutboxStore;
+    use inbox::{InboxAdmin, PostgresStore};
+
+    let store = PostgresStore::connect(&Postgres::fresh_url().await, 1)
+        .await
+        .expect("connect PostgreSQL");
+    store.migrate().await.unwrap();
+    let scans = || async {
+        sqlx::query("SELECT pg_stat_force_next_flush()")
+            .execute(store.pool())
+            .await
+            .unwrap();
+        let (seq, idx): (i64, i64) = sqlx::query_as(
+            "SELECT seq_scan, coalesce(idx_scan, 0) FROM pg_stat_user_tables
+             WHERE relname = 'outbox_messages'",
+        )
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+        (seq, idx)
+    };
+    // Statistics of the empty table, as autovacuum leaves them, then a backlog.
+    sqlx::query("ANALYZE outbox_messages")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO outbox_messages (destination, message_id, ordering_key, payload)
+         SELECT 'backlog', 'm-' || g, 'k-' || g, '\\x7b7d' FROM generate_series(1, 5000) g",
+    )
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let (seq_before, idx_before) = scans().await;
+    let batch = store
+        .claim_outbox(100, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let ids: Vec<i64> = batch.rows.iter().map(|row| row.id).collect();
+    assert_eq!(ids.len(), 100);
+    assert!(
+        ids.windows(2).all(|w| w[0] < w[1]) && ids[0] == 1,
+        "the oldest rows, in id order"
+    );
+    assert_eq!(batch.finish(&ids, &[], false).await.unwrap(), 100);
+    let (seq_after, idx_after) = scans().await;
+    assert!(idx_after > idx_before, "the claim's counters were flushed");
+    assert_eq!(
+        seq_after, seq_before,
+        "the claim read the whole outbox table instead of its pending index"
+    );
+}

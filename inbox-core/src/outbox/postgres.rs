@@ -62,6 +62,16 @@ ORDER BY c.id
 LIMIT $1
 FOR UPDATE SKIP LOCKED";
 
+/// The claim's plan, whatever the statistics say: walk the pending rows in id order and stop at
+/// the batch. A queue table is nearly empty whenever autovacuum analyzes it, so its statistics
+/// describe an empty table (no null fractions: `published_at IS NULL` is guessed at 0.5 %); with
+/// a backlog, after an outage, the planner then expects a handful of rows and prefers reading the
+/// whole table and sorting it, checking every row's key on the way — each claim costs the whole
+/// backlog, and draining it is quadratic, just when the relay has most to do (measured: a claim
+/// of 500 from 30,000 rows took 50 ms that way and 1.6 ms by the index). Local to the claim's
+/// transaction, so nothing else on the pooled connection plans differently.
+const PLAN_BY_INDEX: &str = "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off";
+
 /// A batch's claim on PostgreSQL: the transaction that holds the rows' locks. The rows are
 /// written once, by the mark; a lease column would cost an `UPDATE` of each row besides. The
 /// lease is the transaction's `idle_in_transaction_session_timeout`: a relay that stalls past
@@ -240,7 +250,7 @@ impl OutboxStore for PostgresStore {
         );
         let mut tx = self
             .begin_and(&format!(
-                "SET LOCAL idle_in_transaction_session_timeout = {}",
+                "SET LOCAL idle_in_transaction_session_timeout = {}; {PLAN_BY_INDEX}",
                 lease.as_millis().clamp(1, i32::MAX as u128)
             ))
             .await?;
