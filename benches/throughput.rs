@@ -1132,8 +1132,8 @@ async fn producer_writes(
     store: &PostgresStore,
     args: &Args,
     producing: Producing,
+    n: usize,
 ) -> Result<Measured, Error> {
-    let n = args.messages;
     let outbox = Outbox::new(store.clone()).signal_other_processes(false);
     let destination = format!("bench-producer-{}", uuid::Uuid::new_v4().simple());
     let started = Instant::now();
@@ -1191,6 +1191,41 @@ async fn producer_writes(
     })
 }
 
+/// The producer's three modes in alternating rounds (none, staged, send; three times, a third
+/// of `--messages` each), so that a drift of the server's state during the run (autovacuum, a
+/// checkpoint) falls on every mode alike. Each mode's rate is over its rounds together; also
+/// returns staged / none per round.
+async fn producer_rounds(
+    store: &PostgresStore,
+    args: &Args,
+) -> Result<(Measured, Measured, Measured, Vec<f64>), Error> {
+    const ROUNDS: usize = 3;
+    let n = args.messages.div_ceil(ROUNDS).max(1);
+    let mut totals: Vec<Option<Measured>> = vec![None, None, None];
+    let mut ratios = Vec::new();
+    for _ in 0..ROUNDS {
+        let mut rates = [0.0; 3];
+        for (i, producing) in [Producing::Plain, Producing::Staged, Producing::Send]
+            .into_iter()
+            .enumerate()
+        {
+            let m = producer_writes(store, args, producing, n).await?;
+            rates[i] = m.rate();
+            match &mut totals[i] {
+                Some(total) => {
+                    total.messages += m.messages;
+                    total.seconds += m.seconds;
+                }
+                slot => *slot = Some(m),
+            }
+        }
+        ratios.push(rates[1] / rates[0]);
+    }
+    let [plain, staged, send] = totals.try_into().map_err(|_| "three producer modes")?;
+    let measured = |m: Option<Measured>| m.ok_or("no producer round ran");
+    Ok((measured(plain)?, measured(staged)?, measured(send)?, ratios))
+}
+
 /// The outbox's modes on `target`, printed as a table with their ratios.
 async fn outbox_modes(
     target: &Target,
@@ -1215,9 +1250,7 @@ async fn outbox_modes(
     let one_row = relay_rate(target, store, args, (n / 10).max(10), 1).await?;
     let woken = outbox_latency(target, store, args, true).await?;
     let polling = outbox_latency(target, store, args, false).await?;
-    let plain = producer_writes(store, args, Producing::Plain).await?;
-    let with_outbox = producer_writes(store, args, Producing::Staged).await?;
-    let with_send = producer_writes(store, args, Producing::Send).await?;
+    let (plain, with_outbox, with_send, round_ratios) = producer_rounds(store, args).await?;
     println!();
     println!("== {} outbox ==", target.name);
     println!(
@@ -1268,8 +1301,13 @@ async fn outbox_modes(
         0.8,
     );
     println!(
-        "(with Outbox::send in the application's transaction: {:.2})",
-        ratio(&with_send, &plain)
+        "(with Outbox::send in the application's transaction: {:.2}; staged / none per round: {})",
+        ratio(&with_send, &plain),
+        round_ratios
+            .iter()
+            .map(|r| format!("{r:.2}"))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     let at = |m: &Measured, p| m.percentile_ms(p).unwrap_or(f64::INFINITY);
     println!(

@@ -1084,10 +1084,13 @@ mod whole_batch_splitting {
 /// A queue table is nearly empty whenever autovacuum analyzes it; with those statistics and a
 /// backlog, PostgreSQL's planner would read the whole table and sort it for every batch, and
 /// draining a backlog would take time quadratic in its size. The table's own scan counters tell
-/// which plan ran (one pooled connection; `pg_stat_force_next_flush`, PostgreSQL 15, makes its
-/// counters visible at once).
+/// which plan ran. They reach other sessions a moment after a transaction ends (at once after
+/// `pg_stat_force_next_flush`, PostgreSQL 15 and later), so each reading waits for a counter it
+/// knows must have moved.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backlog_is_claimed_by_the_index_whatever_the_statistics() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicI64, Ordering};
     use std::time::Duration;
 
     use conformance::stores::Postgres;
@@ -1098,19 +1101,40 @@ async fn a_backlog_is_claimed_by_the_index_whatever_the_statistics() {
         .await
         .expect("connect PostgreSQL");
     store.migrate().await.unwrap();
-    let scans = || async {
-        sqlx::query("SELECT pg_stat_force_next_flush()")
-            .execute(store.pool())
-            .await
-            .unwrap();
-        let (seq, idx): (i64, i64) = sqlx::query_as(
-            "SELECT seq_scan, coalesce(idx_scan, 0) FROM pg_stat_user_tables
-             WHERE relname = 'outbox_messages'",
-        )
-        .fetch_one(store.pool())
-        .await
-        .unwrap();
-        (seq, idx)
+    // The outbox table's sequential scans, once `ready(index scans, rows inserted)` holds.
+    let scans = |ready: Box<dyn Fn(i64, i64) -> bool + Send>| {
+        let store = store.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+            loop {
+                // PERFORM is planned when it runs: older servers never meet the function.
+                sqlx::query(
+                    "DO $$ BEGIN
+                       IF current_setting('server_version_num')::int >= 150000 THEN
+                         PERFORM pg_stat_force_next_flush();
+                       END IF;
+                     END $$",
+                )
+                .execute(store.pool())
+                .await
+                .unwrap();
+                let (seq, idx, inserted): (i64, i64, i64) = sqlx::query_as(
+                    "SELECT seq_scan, coalesce(idx_scan, 0), n_tup_ins FROM pg_stat_user_tables
+                     WHERE relname = 'outbox_messages'",
+                )
+                .fetch_one(store.pool())
+                .await
+                .unwrap();
+                if ready(idx, inserted) {
+                    return seq;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the outbox table's counters did not move within 30 s"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
     };
     // Statistics of the empty table, as autovacuum leaves them, then a backlog.
     sqlx::query("ANALYZE outbox_messages")
@@ -1124,7 +1148,15 @@ async fn a_backlog_is_claimed_by_the_index_whatever_the_statistics() {
     .execute(store.pool())
     .await
     .unwrap();
-    let (seq_before, idx_before) = scans().await;
+    // Once the insert's counts are in, so are those of everything before it (the migrations).
+    let idx_before = Arc::new(AtomicI64::new(0));
+    let seen = Arc::clone(&idx_before);
+    let seq_before = scans(Box::new(move |idx, inserted| {
+        seen.store(idx, Ordering::SeqCst);
+        inserted >= 5000
+    }))
+    .await;
+    let idx_before = idx_before.load(Ordering::SeqCst);
     let batch = store
         .claim_outbox(100, Duration::from_secs(30))
         .await
@@ -1136,8 +1168,8 @@ async fn a_backlog_is_claimed_by_the_index_whatever_the_statistics() {
         "the oldest rows, in id order"
     );
     assert_eq!(batch.finish(&ids, &[], false).await.unwrap(), 100);
-    let (seq_after, idx_after) = scans().await;
-    assert!(idx_after > idx_before, "the claim's counters were flushed");
+    // The claim and the mark scan indexes: once their counts are in, the claim's are.
+    let seq_after = scans(Box::new(move |idx, _| idx > idx_before)).await;
     assert_eq!(
         seq_after, seq_before,
         "the claim read the whole outbox table instead of its pending index"
