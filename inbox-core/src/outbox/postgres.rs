@@ -45,7 +45,9 @@ ON CONFLICT (destination, message_id) DO NOTHING
 RETURNING id";
 
 /// Pending, due, and the first pending row of its key (a dead or failing head holds its key
-/// back), locked until the batch's transaction ends. SKIP LOCKED: two relays claiming at once
+/// back), locked until the batch's transaction ends. The candidates come from
+/// `outbox_messages_claimable` (pending, not dead); the key check, which must also see dead rows,
+/// from `outbox_messages_pending_keys`. SKIP LOCKED: two relays claiming at once
 /// take different rows; a key's next row is not claimable while its head is locked, since the
 /// head is still pending to every other transaction.
 const CLAIM: &str = "\
