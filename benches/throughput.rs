@@ -1201,7 +1201,7 @@ async fn producer_rounds(
 ) -> Result<(Measured, Measured, Measured, Vec<f64>), Error> {
     const ROUNDS: usize = 3;
     let n = args.messages.div_ceil(ROUNDS).max(1);
-    let mut totals: Vec<Option<Measured>> = vec![None, None, None];
+    let mut totals: [Option<Measured>; 3] = [None, None, None];
     let mut ratios = Vec::new();
     for _ in 0..ROUNDS {
         let mut rates = [0.0; 3];
@@ -1221,9 +1221,10 @@ async fn producer_rounds(
         }
         ratios.push(rates[1] / rates[0]);
     }
-    let [plain, staged, send] = totals.try_into().map_err(|_| "three producer modes")?;
-    let measured = |m: Option<Measured>| m.ok_or("no producer round ran");
-    Ok((measured(plain)?, measured(staged)?, measured(send)?, ratios))
+    let [Some(plain), Some(staged), Some(send)] = totals else {
+        unreachable!("every round runs the three modes");
+    };
+    Ok((plain, staged, send, ratios))
 }
 
 /// The outbox's modes on `target`, printed as a table with their ratios.

@@ -1089,13 +1089,34 @@ mod whole_batch_splitting {
 /// knows must have moved.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backlog_is_claimed_by_the_index_whatever_the_statistics() {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicI64, Ordering};
     use std::time::Duration;
 
+    use conformance::eventually;
     use conformance::stores::Postgres;
     use inbox::outbox::OutboxStore;
     use inbox::{InboxAdmin, PostgresStore};
+
+    /// (rows read, index scans, rows inserted) of the outbox table, as far as they have arrived.
+    async fn counters(store: &PostgresStore) -> (i64, i64, i64) {
+        // PERFORM is planned when it runs: older servers never meet the function.
+        sqlx::query(
+            "DO $$ BEGIN
+               IF current_setting('server_version_num')::int >= 150000 THEN
+                 PERFORM pg_stat_force_next_flush();
+               END IF;
+             END $$",
+        )
+        .execute(store.pool())
+        .await
+        .unwrap();
+        sqlx::query_as(
+            "SELECT seq_tup_read + coalesce(idx_tup_fetch, 0), coalesce(idx_scan, 0), n_tup_ins
+             FROM pg_stat_user_tables WHERE relname = 'outbox_messages'",
+        )
+        .fetch_one(store.pool())
+        .await
+        .unwrap()
+    }
 
     let store = PostgresStore::connect(&Postgres::fresh_url().await, 1)
         .await
@@ -1106,43 +1127,6 @@ async fn a_backlog_is_claimed_by_the_index_whatever_the_statistics() {
         .execute(store.pool())
         .await
         .unwrap();
-    // The rows the outbox table's scans have read, once `ready(index scans, rows inserted)` holds.
-    // (PostgreSQL 14 and older send counters over UDP, which may drop one: the deadline fails.)
-    let scans = |ready: Box<dyn Fn(i64, i64) -> bool + Send>| {
-        let store = store.clone();
-        async move {
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-            loop {
-                // PERFORM is planned when it runs: older servers never meet the function.
-                sqlx::query(
-                    "DO $$ BEGIN
-                       IF current_setting('server_version_num')::int >= 150000 THEN
-                         PERFORM pg_stat_force_next_flush();
-                       END IF;
-                     END $$",
-                )
-                .execute(store.pool())
-                .await
-                .unwrap();
-                let (read, idx, inserted): (i64, i64, i64) = sqlx::query_as(
-                    "SELECT seq_tup_read + coalesce(idx_tup_fetch, 0), coalesce(idx_scan, 0),
-                            n_tup_ins
-                     FROM pg_stat_user_tables WHERE relname = 'outbox_messages'",
-                )
-                .fetch_one(store.pool())
-                .await
-                .unwrap();
-                if ready(idx, inserted) {
-                    return read;
-                }
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "the outbox table's counters did not move within 30 s"
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    };
     // Statistics of the empty table, as autovacuum leaves them, then a backlog.
     sqlx::query("ANALYZE outbox_messages")
         .execute(store.pool())
@@ -1156,14 +1140,16 @@ async fn a_backlog_is_claimed_by_the_index_whatever_the_statistics() {
     .await
     .unwrap();
     // Once the insert's counts are in, so are those of everything before it (the migrations).
-    let idx_before = Arc::new(AtomicI64::new(0));
-    let seen = Arc::clone(&idx_before);
-    let read_before = scans(Box::new(move |idx, inserted| {
-        seen.store(idx, Ordering::SeqCst);
-        inserted >= 5000
-    }))
+    // (PostgreSQL 14 and older send counters over UDP, which may drop one: the deadline fails.)
+    let store = &store;
+    eventually("the backlog's insert in the table's counters", || async {
+        match counters(store).await {
+            (_, _, inserted) if inserted >= 5000 => Ok(()),
+            (_, _, inserted) => Err(format!("{inserted} rows inserted so far")),
+        }
+    })
     .await;
-    let idx_before = idx_before.load(Ordering::SeqCst);
+    let (read_before, idx_before, _) = counters(store).await;
     let batch = store
         .claim_outbox(100, Duration::from_secs(30))
         .await
@@ -1176,7 +1162,14 @@ async fn a_backlog_is_claimed_by_the_index_whatever_the_statistics() {
     );
     assert_eq!(batch.finish(&ids, &[], false).await.unwrap(), 100);
     // The claim and the mark scan indexes: once their counts are in, the claim's are.
-    let read = scans(Box::new(move |idx, _| idx > idx_before)).await - read_before;
+    eventually("the claim in the table's counters", || async {
+        match counters(store).await {
+            (_, idx, _) if idx > idx_before => Ok(()),
+            _ => Err("no index scan counted yet".to_owned()),
+        }
+    })
+    .await;
+    let read = counters(store).await.0 - read_before;
     // 100 rows claimed and 100 deleted, each read once or twice; a scan of the backlog is 5,000.
     assert!(
         read < 1000,
