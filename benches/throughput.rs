@@ -51,6 +51,9 @@ use inbox::{
 use sqlx::{Connection, Executor, PgPool};
 use tokio::sync::Semaphore;
 
+#[path = "support/cpu.rs"]
+mod cpu;
+
 #[derive(Clone, Copy, PartialEq, ValueEnum)]
 enum Which {
     Memory,
@@ -313,6 +316,8 @@ struct Measured {
     doubles: Option<i64>,
     /// Delivery-to-ack latencies of the mode's acked deliveries, sorted.
     latencies: Vec<Duration>,
+    /// The CPU each side spent, where the mode keeps an account.
+    cpu: Option<cpu::CpuAccount>,
 }
 
 impl Measured {
@@ -335,14 +340,18 @@ impl Measured {
 
     /// The mode's row of the JSON output.
     fn row(&self, transport: &str) -> serde_json::Value {
-        serde_json::json!({
+        let mut row = serde_json::json!({
             "transport": transport,
             "mode": self.mode,
             "msgs_per_s": self.rate(),
             "p50_ms": self.percentile_ms(50.0),
             "p99_ms": self.percentile_ms(99.0),
             "double_effects": self.doubles,
-        })
+        });
+        if let Some(cpu) = &self.cpu {
+            row["cpu"] = cpu.json(self.messages);
+        }
+        row
     }
 }
 
@@ -629,6 +638,7 @@ where
         seconds,
         doubles: Some(store.doubles(&run).await?),
         latencies: target.timed.take(),
+        cpu: None,
     })
 }
 
@@ -732,6 +742,7 @@ where
         seconds,
         doubles: Some(doubles(pool, &run).await?),
         latencies: target.timed.take(),
+        cpu: None,
     })
 }
 
@@ -836,6 +847,7 @@ async fn raw_broker(target: &Target, args: &Args) -> Result<Measured, Error> {
         seconds: first.map_or(1e-3, |f| f.elapsed().as_secs_f64().max(1e-3)),
         doubles: None,
         latencies: target.timed.take(),
+        cpu: None,
     })
 }
 
@@ -890,6 +902,7 @@ COMMIT;
         seconds: args.pgbench_seconds as f64,
         doubles: None,
         latencies: Vec::new(),
+        cpu: None,
     })
 }
 
@@ -906,6 +919,7 @@ async fn sink(target: &Target) -> Result<String, Error> {
 /// (its batch times its batches in flight).
 async fn raw_publish(target: &Target, n: usize, in_flight: usize) -> Result<Measured, Error> {
     let destination = sink(target).await?;
+    let clock = cpu::CpuClock::start();
     let started = Instant::now();
     let transport = &target.transport;
     let destination = &destination;
@@ -926,6 +940,7 @@ async fn raw_publish(target: &Target, n: usize, in_flight: usize) -> Result<Meas
         seconds: started.elapsed().as_secs_f64().max(1e-3),
         doubles: None,
         latencies: Vec::new(),
+        cpu: clock.stop(),
     })
 }
 
@@ -959,6 +974,10 @@ async fn relay_rate(
 ) -> Result<Measured, Error> {
     let outbox = Outbox::new(store.clone()).signal_other_processes(false);
     let destination = sink(target).await?;
+    // Every relay measured starts on a vacuumed table, not on the dead rows of the one before.
+    sqlx::query("VACUUM outbox_messages")
+        .execute(store.pool())
+        .await?;
     fill_outbox(&outbox, &destination, n).await?;
     let mut relay = outbox
         .relay(Arc::clone(&target.transport))
@@ -969,6 +988,7 @@ async fn relay_rate(
         relay = relay.concurrency(batches);
     }
     *target.timed.confirms.lock().expect("not poisoned") = Some(HashMap::new());
+    let clock = cpu::CpuClock::start();
     let started = Instant::now();
     let stop = CancellationToken::new();
     let running = {
@@ -980,6 +1000,7 @@ async fn relay_rate(
     stop.cancel();
     let report = running.await??;
     let seconds = started.elapsed().as_secs_f64().max(1e-3);
+    let cpu = clock.stop();
     target.timed.confirms.lock().expect("not poisoned").take();
     if report.published < n as u64 {
         return Err(format!("the relay marked {} of {n} rows", report.published).into());
@@ -999,6 +1020,7 @@ async fn relay_rate(
         seconds,
         doubles: None,
         latencies: Vec::new(),
+        cpu,
     })
 }
 
@@ -1112,6 +1134,7 @@ async fn outbox_latency(
         seconds,
         doubles: None,
         latencies,
+        cpu: None,
     })
 }
 
@@ -1136,6 +1159,7 @@ async fn producer_writes(
 ) -> Result<Measured, Error> {
     let outbox = Outbox::new(store.clone()).signal_other_processes(false);
     let destination = format!("bench-producer-{}", uuid::Uuid::new_v4().simple());
+    let clock = cpu::CpuClock::start();
     let started = Instant::now();
     let outbox = &outbox;
     let destination = &destination;
@@ -1171,6 +1195,7 @@ async fn producer_writes(
         written?;
     }
     let seconds = started.elapsed().as_secs_f64().max(1e-3);
+    let cpu = clock.stop();
     // Nobody publishes these: gone, so that the next relay measured does not find them.
     sqlx::query("DELETE FROM outbox_messages WHERE destination = $1")
         .bind(destination)
@@ -1188,6 +1213,7 @@ async fn producer_writes(
         seconds,
         doubles: None,
         latencies: Vec::new(),
+        cpu,
     })
 }
 
@@ -1215,6 +1241,9 @@ async fn producer_rounds(
                 Some(total) => {
                     total.messages += m.messages;
                     total.seconds += m.seconds;
+                    if let (Some(sum), Some(cpu)) = (&mut total.cpu, m.cpu) {
+                        sum.absorb(cpu);
+                    }
                 }
                 slot => *slot = Some(m),
             }
@@ -1280,20 +1309,10 @@ async fn outbox_modes(
     };
     line("relay / broker publish+confirm", ratio(&relay, &raw), 0.7);
     if let Some(free) = &free {
-        // The relay's work on a row is the database's (claim, mark) plus the broker's (publish,
-        // confirm). Where the database, the broker and the relay share the same cores, as here,
-        // and both are bound by those cores, the two add up: a row costs 1/free + 1/raw of the
-        // machine. An estimate, not a bound: waits (fsync, round trips) overlap instead of
-        // adding. On separate machines the estimate is the slower of the two instead.
-        let estimate = 1.0 / (1.0 / free.rate() + 1.0 / raw.rate());
         println!(
-            "{:<36}{:>8.0}   (1 / (1/relay with a free broker + 1/broker), on shared cores)",
-            "shared-machine estimate msgs/s", estimate
-        );
-        println!(
-            "{:<36}{:>8.2}   (relay / that estimate)",
-            "relay / shared-machine estimate",
-            relay.rate() / estimate
+            "{:<36}{:>8.2}   (what the database and the relay's code allow, beside the broker)",
+            "relay with a free broker / broker",
+            ratio(free, &raw)
         );
     }
     line("relay / one row at a time", ratio(&relay, &one_row), 10.0);
@@ -1328,7 +1347,80 @@ async fn outbox_modes(
             "NOT met"
         },
     );
+    cpu_account(
+        target.name,
+        [
+            Some(&relay),
+            free.as_ref(),
+            Some(&raw),
+            Some(&plain),
+            Some(&with_outbox),
+        ],
+        &raw,
+    );
     Ok(rows)
+}
+
+/// The CPU each side spent per row in the outbox's modes, and what it allows: with every side
+/// on the same cores, the relay can publish at most `cores / (the database's + the broker's CPU
+/// per row)`, whatever its own code costs — the bound behind relay / broker, which only cheaper
+/// SQL or a cheaper publish can raise. The same for the producer's transactions.
+fn cpu_account(broker: &str, modes: [Option<&Measured>; 5], raw: &Measured) {
+    let measured: Vec<(&Measured, &cpu::CpuAccount)> = modes
+        .into_iter()
+        .flatten()
+        .filter_map(|m| Some((m, m.cpu.as_ref()?)))
+        .collect();
+    if measured.is_empty() {
+        println!("(no CPU account: it is read from /proc, on Linux only)");
+        return;
+    }
+    println!(
+        "{:<28}{:>10}{:>10}{:>10}{:>10}{:>8}",
+        "CPU per row, us",
+        "database",
+        if broker == "memory" { "-" } else { broker },
+        "bench",
+        "other",
+        "busy"
+    );
+    for (m, cpu) in &measured {
+        let us = |side| cpu.per_row_us(side, m.messages);
+        println!(
+            "{:<28}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>7.0}%",
+            m.name,
+            us("postgres"),
+            if broker == "memory" { 0.0 } else { us(broker) },
+            us("bench"),
+            us("other"),
+            cpu.busy() * 100.0
+        );
+    }
+    let account = |mode: &str| measured.iter().find(|(m, _)| m.mode == mode);
+    if let Some((relay, cpu)) = account("outbox_relay")
+        && broker != "memory"
+    {
+        let ceiling = cpu.ceiling(&["postgres", broker], relay.messages);
+        println!(
+            "{:<36}{:>8.0}   ({} cores / the database's and the broker's CPU per row in the relay's run)",
+            "relay ceiling msgs/s", ceiling, cpu.cores
+        );
+        println!(
+            "{:<36}{:>8.2}   (that ceiling / broker publish+confirm: no relay gets beyond it here)",
+            "relay / broker at most",
+            ceiling / raw.rate()
+        );
+    }
+    if let (Some((plain, without)), Some((staged, with))) =
+        (account("producer_no_outbox"), account("producer_outbox"))
+    {
+        let database = |m: &Measured, cpu: &cpu::CpuAccount| cpu.per_row_us("postgres", m.messages);
+        println!(
+            "{:<36}{:>8.2}   (the database's CPU per transaction without the outbox / with it)",
+            "producer database CPU, without / with",
+            database(plain, without) / database(staged, with)
+        );
+    }
 }
 
 /// Retention cleanup of `rows` old rows while a consumer on the memory transport gets
@@ -1409,6 +1501,7 @@ async fn cleanup_modes(
             seconds: seconds.max(1e-3),
             doubles: None,
             latencies,
+            cpu: None,
         }
     };
     let week = Duration::from_secs(7 * 24 * 3600);

@@ -244,6 +244,7 @@ macro_rules! outbox_suite {
                 outbox_poison_row_holds_back_only_its_key,
                 outbox_broker_outage_then_back,
                 outbox_shutdown_drains_the_batch,
+                outbox_retention_keeps_then_deletes,
                 outbox_consume_transform_produce,
             );
         }

@@ -173,25 +173,38 @@ impl OutboxStore for MySqlStore {
         Ok(super::leased(self, token, rows, started))
     }
 
-    async fn outbox_stats(&self) -> Result<Vec<OutboxStats>, StoreError> {
+    async fn outbox_pending_stats(&self) -> Result<Vec<OutboxStats>, StoreError> {
         type Row = (String, i64, i64, i64, i64, i64, Option<f64>);
+        // `published_at IS NULL`: a range of `outbox_messages_pending (published_at, id)`, so
+        // the kept rows are not read.
         let rows: Vec<Row> = sqlx::query_as(
             "SELECT CONVERT(destination USING utf8mb4),
-                    COUNT(CASE WHEN published_at IS NULL THEN 1 END),
-                    COUNT(CASE WHEN published_at IS NULL AND dead_at IS NULL AND attempts > 0 THEN 1 END),
+                    COUNT(*),
+                    COUNT(CASE WHEN dead_at IS NULL AND attempts > 0 THEN 1 END),
                     COUNT(dead_at),
-                    COUNT(DISTINCT CASE WHEN published_at IS NULL AND (dead_at IS NOT NULL OR attempts > 0)
-                                        THEN ordering_key END),
-                    COUNT(published_at),
+                    COUNT(DISTINCT CASE WHEN dead_at IS NOT NULL OR attempts > 0 THEN ordering_key END),
+                    0,
                     TIMESTAMPDIFF(MICROSECOND,
-                        MIN(CASE WHEN published_at IS NULL AND dead_at IS NULL THEN created_at END),
+                        MIN(CASE WHEN dead_at IS NULL THEN created_at END),
                         UTC_TIMESTAMP(6)) / 1e6
-             FROM outbox_messages GROUP BY destination ORDER BY destination",
+             FROM outbox_messages FORCE INDEX (outbox_messages_pending)
+             WHERE published_at IS NULL GROUP BY destination",
         )
         .fetch_all(self.pool())
         .await
         .map_err(store_error)?;
         Ok(rows.into_iter().map(super::stats).collect())
+    }
+
+    async fn outbox_kept(&self) -> Result<Vec<(String, u64)>, StoreError> {
+        let rows: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT CONVERT(destination USING utf8mb4), COUNT(*) FROM outbox_messages
+             WHERE published_at IS NOT NULL GROUP BY destination",
+        )
+        .fetch_all(self.pool())
+        .await
+        .map_err(store_error)?;
+        Ok(super::kept(rows))
     }
 
     async fn outbox_dead(&self, limit: u32) -> Result<Vec<OutboxDeadRow>, StoreError> {

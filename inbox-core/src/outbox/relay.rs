@@ -147,9 +147,18 @@ impl<S: OutboxStore> Relay<S> {
     }
 
     /// How long published rows are kept (default zero: deleted by the statement that marks them
-    /// published). Kept rows are deleted in batches of 1,000, every 10 s, by any relay.
+    /// published). Kept rows are deleted in batches of 1,000, every
+    /// [`cleanup_interval`](Self::cleanup_interval), by any relay. While a row is kept, a send of
+    /// the same message id to the same destination writes nothing.
     pub fn retention(mut self, retention: Duration) -> Self {
         self.retention = retention;
+        self
+    }
+
+    /// How often the relay deletes a batch of up to 1,000 published rows older than the
+    /// retention (default 10 s; at least 10 ms).
+    pub fn cleanup_interval(mut self, every: Duration) -> Self {
+        self.cleanup_interval = every.max(Duration::from_millis(10));
         self
     }
 
@@ -425,9 +434,10 @@ impl<S: OutboxStore> Relay<S> {
         })
     }
 
-    /// Samples the per-destination gauges (one query; every 15 s while the relay runs).
+    /// Samples the per-destination gauges (one query of the rows not published yet; every 15 s
+    /// while the relay runs).
     async fn sample_stats(&self) {
-        match self.outbox.store.outbox_stats().await {
+        match self.outbox.store.outbox_pending_stats().await {
             Ok(stats) => {
                 for s in stats {
                     let labels = [("destination", s.destination.clone())];

@@ -153,24 +153,38 @@ impl OutboxStore for SqliteStore {
         Ok(super::leased(self, token, rows, started))
     }
 
-    async fn outbox_stats(&self) -> Result<Vec<OutboxStats>, StoreError> {
+    async fn outbox_pending_stats(&self) -> Result<Vec<OutboxStats>, StoreError> {
         type Row = (String, i64, i64, i64, i64, i64, Option<f64>);
+        // `published_at IS NULL`: the partial index `outbox_messages_pending`, so the kept rows
+        // are not read.
         let rows: Vec<Row> = sqlx::query_as(concat!(
             "SELECT destination,
-                    count(*) FILTER (WHERE published_at IS NULL),
-                    count(*) FILTER (WHERE published_at IS NULL AND dead_at IS NULL AND attempts > 0),
+                    count(*),
+                    count(*) FILTER (WHERE dead_at IS NULL AND attempts > 0),
                     count(*) FILTER (WHERE dead_at IS NOT NULL),
-                    count(DISTINCT ordering_key) FILTER (WHERE published_at IS NULL AND (dead_at IS NOT NULL OR attempts > 0)),
-                    count(*) FILTER (WHERE published_at IS NOT NULL),
+                    count(DISTINCT ordering_key) FILTER (WHERE dead_at IS NOT NULL OR attempts > 0),
+                    0,
                     max(",
             age_secs!("created_at"),
-            ") FILTER (WHERE published_at IS NULL AND dead_at IS NULL)
-             FROM outbox_messages GROUP BY destination ORDER BY destination"
+            ") FILTER (WHERE dead_at IS NULL)
+             FROM outbox_messages INDEXED BY outbox_messages_pending
+             WHERE published_at IS NULL GROUP BY destination"
         ))
         .fetch_all(self.pool())
         .await
         .map_err(store_error)?;
         Ok(rows.into_iter().map(super::stats).collect())
+    }
+
+    async fn outbox_kept(&self) -> Result<Vec<(String, u64)>, StoreError> {
+        let rows: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT destination, count(*) FROM outbox_messages
+             WHERE published_at IS NOT NULL GROUP BY destination",
+        )
+        .fetch_all(self.pool())
+        .await
+        .map_err(store_error)?;
+        Ok(super::kept(rows))
     }
 
     async fn outbox_dead(&self, limit: u32) -> Result<Vec<OutboxDeadRow>, StoreError> {

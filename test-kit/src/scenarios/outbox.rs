@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use inbox::memory::Faults;
-use inbox::outbox::{Outbox, OutboxStore, Relay, RelayError, RelayReport};
+use inbox::outbox::{Outbox, OutboxStats, OutboxStore, Relay, RelayError, RelayReport};
 use inbox::{
     CancellationToken, Consumer, Handler, HandlerError, InboxStore, Message, OutgoingMessage,
     Transport,
@@ -690,6 +690,77 @@ pub async fn outbox_shutdown_drains_the_batch<D: TestDb>(brokers: &dyn BrokerFac
         "the batch was marked before run returned"
     );
     check_published(&committed, &transport.log(), true).unwrap();
+}
+
+/// Retention: published rows are kept for the window — counted by `outbox stats` but not read by
+/// the relay's gauges, and a send of a kept message id writes nothing — then deleted in bounded
+/// batches once they are older than the window.
+pub async fn outbox_retention_keeps_then_deletes<D: TestDb>(
+    brokers: &dyn BrokerFactory,
+    db: &Arc<D>,
+) {
+    let s = Scenario::new(brokers, db, Faults::none()).await;
+    s.broker.prepare(&s.source, &[&s.name("sink")]).await;
+    let transport = Publishing::new(s.broker.transport());
+    let outbox = Outbox::new(s.store.clone());
+    let mut committed = Vec::new();
+    for i in 0..10 {
+        let key = (i % 2 == 0).then(|| format!("k{}", i % 3));
+        committed.push(send_committed(&outbox, &s.source, &s.id(i), key.as_deref()).await);
+    }
+    let mine = |stats: Vec<OutboxStats>| stats.into_iter().find(|st| st.destination == s.source);
+    let kept = RunningRelay::start(relay(&outbox, &transport).retention(Duration::from_secs(3600)));
+    eventually("every row published and kept", || async {
+        match mine(s.store.outbox_stats().await.map_err(|e| e.to_string())?) {
+            Some(st) if st.pending == 0 && st.published_kept == 10 => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    let report = kept.stop().await;
+    assert_eq!((report.published, report.cleaned), (10, 0), "{report:?}");
+    check_published(&committed, &transport.log(), true).unwrap();
+    // The gauges' counts leave the kept rows out.
+    let gauges = mine(s.store.outbox_pending_stats().await.unwrap());
+    assert!(
+        gauges
+            .as_ref()
+            .is_none_or(|st| st.pending == 0 && st.published_kept == 0),
+        "{gauges:?}"
+    );
+    // Kept, a message id is still known: the caller's retry writes nothing.
+    let mut tx = s.store.begin().await.unwrap();
+    let again = outbox
+        .send(&mut tx, &s.source, message(&s.id(3), None))
+        .await
+        .unwrap();
+    assert!(!again.written, "a retry within the retention wrote a row");
+    outbox.commit(tx).await.unwrap();
+    // Bounded batches, and nothing younger than the window.
+    assert_eq!(
+        s.store
+            .outbox_cleanup(Duration::from_secs(3600), 1000)
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(s.store.outbox_cleanup(Duration::ZERO, 3).await.unwrap(), 3);
+    // A relay with a short window deletes the rest by itself.
+    let cleaning = RunningRelay::start(
+        relay(&outbox, &transport)
+            .retention(Duration::from_millis(1))
+            .cleanup_interval(Duration::from_millis(20)),
+    );
+    eventually("the kept rows deleted", || async {
+        match mine(s.store.outbox_stats().await.map_err(|e| e.to_string())?) {
+            None => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    let report = cleaning.stop().await;
+    assert_eq!(report.published, 0, "{report:?}");
+    assert!(report.cleaned >= 7, "{report:?}");
 }
 
 /// A handler that writes its effect and sends a message on, both through its inbox transaction.
