@@ -5,7 +5,8 @@
 //! most `cores / (CPU seconds per row)`, whatever the code: over a run of `T` seconds the
 //! processes cannot use more than `cores × T`. The account gives that ceiling for a row's
 //! database and broker work alone, which is what a faster relay could not take away (only
-//! cheaper SQL or a cheaper publish could). Linux only; elsewhere there is no account.
+//! cheaper SQL or a cheaper publish could). Linux only; elsewhere there is no account. Times
+//! come in clock ticks (10 ms), so a mode needs a second or more for its account to mean much.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -23,11 +24,13 @@ fn side(comm: &str) -> &'static str {
     }
 }
 
-/// CPU seconds by side at one moment, and the machine's busy and total seconds (all cores).
+/// CPU seconds by side at one moment, the machine's busy seconds (all its processors) and how
+/// many processors `/proc/stat` counts.
 #[derive(Default)]
 struct Snapshot {
     by_side: HashMap<&'static str, f64>,
     machine_busy: f64,
+    processors: usize,
 }
 
 #[cfg(target_os = "linux")]
@@ -47,7 +50,8 @@ fn snapshot() -> Option<Snapshot> {
         };
         *by_side.entry(name).or_default() += (stat.utime + stat.stime) as f64 / ticks;
     }
-    let total = procfs::KernelStats::current().ok()?.total;
+    let stats = procfs::KernelStats::current().ok()?;
+    let total = stats.total;
     let busy = total.user
         + total.nice
         + total.system
@@ -57,6 +61,7 @@ fn snapshot() -> Option<Snapshot> {
     Some(Snapshot {
         by_side,
         machine_busy: busy as f64 / ticks,
+        processors: stats.cpu_time.len().max(1),
     })
 }
 
@@ -93,6 +98,7 @@ impl CpuClock {
         Some(CpuAccount {
             seconds,
             cores: std::thread::available_parallelism().map_or(1, usize::from) as f64,
+            processors: end.processors as f64,
             by_side,
             machine_busy: (end.machine_busy - start.machine_busy).max(0.0),
         })
@@ -103,8 +109,10 @@ impl CpuClock {
 pub struct CpuAccount {
     /// The mode's wall-clock seconds.
     pub seconds: f64,
-    /// The machine's cores.
+    /// The cores this process may use: the ceiling's.
     pub cores: f64,
+    /// The processors `/proc/stat` counts: the busy share's.
+    processors: f64,
     by_side: HashMap<&'static str, f64>,
     machine_busy: f64,
 }
@@ -113,6 +121,7 @@ impl CpuAccount {
     /// Adds another run of the same mode: the account of both together.
     pub fn absorb(&mut self, other: CpuAccount) {
         self.seconds += other.seconds;
+        self.processors = self.processors.max(other.processors);
         self.machine_busy += other.machine_busy;
         for (side, spent) in other.by_side {
             *self.by_side.entry(side).or_default() += spent;
@@ -125,9 +134,9 @@ impl CpuAccount {
         self.by_side.get(side).copied().unwrap_or(0.0)
     }
 
-    /// How busy the machine was: 1.0 is every core all the time.
+    /// How busy the machine was: 1.0 is every processor all the time.
     pub fn busy(&self) -> f64 {
-        self.machine_busy / (self.cores * self.seconds).max(1e-9)
+        self.machine_busy / (self.processors * self.seconds).max(1e-9)
     }
 
     /// Microseconds of CPU per row spent by `side`.
