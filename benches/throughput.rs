@@ -1362,9 +1362,9 @@ async fn outbox_modes(
 }
 
 /// The CPU each side spent per row in the outbox's modes, and what it allows: with every side
-/// on the same cores, the relay can publish at most `cores / (the database's + the broker's CPU
-/// per row)`, whatever its own code costs — the bound behind relay / broker, which only cheaper
-/// SQL or a cheaper publish can raise. The same for the producer's transactions.
+/// on the same processors, the relay can publish at most `processors / (the database's + the
+/// broker's CPU per row)`, whatever its own code costs — a ceiling that only cheaper SQL or a
+/// cheaper publish can raise. And the database's CPU per producer transaction.
 fn cpu_account(broker: &str, modes: [Option<&Measured>; 5], raw: &Measured) {
     let measured: Vec<(&Measured, &cpu::CpuAccount)> = modes
         .into_iter()
@@ -1400,16 +1400,20 @@ fn cpu_account(broker: &str, modes: [Option<&Measured>; 5], raw: &Measured) {
     if let Some((relay, cpu)) = account("outbox_relay")
         && broker != "memory"
     {
-        let ceiling = cpu.ceiling(&["postgres", broker], relay.messages);
-        println!(
-            "{:<36}{:>8.0}   ({} cores / the database's and the broker's CPU per row in the relay's run)",
-            "relay ceiling msgs/s", ceiling, cpu.cores
-        );
-        println!(
-            "{:<36}{:>8.2}   (that ceiling / broker publish+confirm: no relay gets beyond it here)",
-            "relay / broker at most",
-            ceiling / raw.rate()
-        );
+        match cpu.ceiling(&["postgres", broker], relay.messages) {
+            Some(ceiling) => {
+                println!(
+                    "{:<36}{:>8.0}   ({} processors / the database's and the broker's CPU per row in the relay's run)",
+                    "relay ceiling msgs/s", ceiling, cpu.processors
+                );
+                println!(
+                    "{:<36}{:>8.2}   (that ceiling / broker publish+confirm: the most this relay's SQL and publish allow here)",
+                    "relay / broker at most",
+                    ceiling / raw.rate()
+                );
+            }
+            None => println!("(no relay ceiling: too little CPU counted; run more --messages)"),
+        }
     }
     if let (Some((plain, without)), Some((staged, with))) =
         (account("producer_no_outbox"), account("producer_outbox"))

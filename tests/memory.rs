@@ -1095,8 +1095,9 @@ mod outbox_plans {
     use inbox::outbox::OutboxStore;
     use inbox::{InboxAdmin, PostgresStore};
 
-    /// (rows read, index scans, rows inserted) of the outbox table, as far as they have arrived.
-    async fn counters(store: &PostgresStore) -> (i64, i64, i64) {
+    /// (rows read, index scans, rows inserted, rows updated) of the outbox table, as far as they
+    /// have arrived.
+    async fn counters(store: &PostgresStore) -> (i64, i64, i64, i64) {
         // PERFORM is planned when it runs: older servers never meet the function.
         sqlx::query(
             "DO $$ BEGIN
@@ -1109,7 +1110,8 @@ mod outbox_plans {
         .await
         .unwrap();
         sqlx::query_as(
-            "SELECT seq_tup_read + coalesce(idx_tup_fetch, 0), coalesce(idx_scan, 0), n_tup_ins
+            "SELECT seq_tup_read + coalesce(idx_tup_fetch, 0), coalesce(idx_scan, 0), n_tup_ins,
+               n_tup_upd
              FROM pg_stat_user_tables WHERE relname = 'outbox_messages'",
         )
         .fetch_one(store.pool())
@@ -1141,27 +1143,32 @@ mod outbox_plans {
         .await
         .unwrap();
         // Once the insert's counts are in, so are those of everything before it (the
-        // migrations). (PostgreSQL 14 and older send counters over UDP, which may drop one:
-        // the deadline fails.)
-        let store = &store;
-        eventually("the insert in the table's counters", || async {
+        // migrations).
+        written_in_counters(&store, rows, 0).await;
+        store
+    }
+
+    /// Waits until the table's counters hold `inserted` and `updated` rows: then they hold what
+    /// every statement before did, its rows read included. (PostgreSQL 14 and older send
+    /// counters over UDP, which may drop one: the deadline fails.)
+    async fn written_in_counters(store: &PostgresStore, inserted: i64, updated: i64) {
+        eventually("the writes in the table's counters", || async {
             match counters(store).await {
-                (_, _, inserted) if inserted >= rows => Ok(()),
-                (_, _, inserted) => Err(format!("{inserted} rows inserted so far")),
+                (_, _, ins, upd) if ins >= inserted && upd >= updated => Ok(()),
+                (_, _, ins, upd) => Err(format!("{ins} rows inserted and {upd} updated so far")),
             }
         })
         .await;
-        store.clone()
     }
 
     /// Rows read since `before`, once the index scans of what ran since are counted.
     async fn rows_read_since(
         store: &PostgresStore,
-        (read_before, idx_before, _): (i64, i64, i64),
+        (read_before, idx_before, ..): (i64, i64, i64, i64),
     ) -> i64 {
         eventually("the index scans in the table's counters", || async {
             match counters(store).await {
-                (_, idx, _) if idx > idx_before => Ok(()),
+                (_, idx, ..) if idx > idx_before => Ok(()),
                 _ => Err("no index scan counted yet".to_owned()),
             }
         })
@@ -1212,6 +1219,7 @@ mod outbox_plans {
         ] {
             sqlx::query(sql).execute(store.pool()).await.unwrap();
         }
+        written_in_counters(store, 5010, 5002).await;
         let before = counters(store).await;
         let stats = store.outbox_pending_stats().await.unwrap();
         let read = rows_read_since(store, before).await;

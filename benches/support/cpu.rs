@@ -1,17 +1,23 @@
 //! The CPU account of a measured mode: the processor time each side spent — the database, the
-//! broker, the bench itself (the relay, the producer) — read from `/proc` before and after it.
+//! broker, the bench itself (the relay, the producer) — read from `/proc` before and after it,
+//! and how busy the machine was.
 //!
-//! Where the database, the broker and the bench share the machine's cores, a mode's rate is at
-//! most `cores / (CPU seconds per row)`, whatever the code: over a run of `T` seconds the
-//! processes cannot use more than `cores × T`. The account gives that ceiling for a row's
-//! database and broker work alone, which is what a faster relay could not take away (only
-//! cheaper SQL or a cheaper publish could). Linux only; elsewhere there is no account. Times
-//! come in clock ticks (10 ms), so a mode needs a second or more for its account to mean much.
+//! Over a run of `T` seconds the machine's processes cannot use more than `processors × T`
+//! seconds of CPU, so a mode whose rows cost the database and the broker what they cost in this
+//! run cannot go faster than `processors / (their CPU seconds per row)`: the ceiling for this
+//! relay's SQL and this publish, which only cheaper SQL or a cheaper publish could raise.
+//! What is counted: every process of the machine by its command name (another job's PostgreSQL
+//! on the same machine counts as the database), the time each spent inside the window (a process
+//! that ends inside it is lost, so a side may show less than it spent); the database's background
+//! work left over from before the window (a checkpoint, autovacuum) counts. Times come in clock
+//! ticks (10 ms), so a mode needs a second or more for its account to mean much. Linux only;
+//! elsewhere there is no account.
 
 use std::collections::HashMap;
 use std::time::Instant;
 
 /// Who a process works for, by its command name.
+#[cfg(target_os = "linux")]
 fn side(comm: &str) -> &'static str {
     match comm {
         "postgres" | "postmaster" => "postgres",
@@ -19,16 +25,15 @@ fn side(comm: &str) -> &'static str {
         "beam.smp" | "erl_child_setup" | "epmd" | "inet_gethost" => "rabbitmq",
         "tansu" => "kafka",
         "nats-server" => "nats",
-        "redis-server" => "redis",
+        "redis-server" | "valkey-server" => "redis",
         _ => "other",
     }
 }
 
-/// CPU seconds by side at one moment, the machine's busy seconds (all its processors) and how
-/// many processors `/proc/stat` counts.
-#[derive(Default)]
+/// Each process's side and CPU seconds so far (by pid and start time: a pid reused inside the
+/// window is another process), the machine's busy seconds and its processors.
 struct Snapshot {
-    by_side: HashMap<&'static str, f64>,
+    processes: HashMap<(i32, u64), (&'static str, f64)>,
     machine_busy: f64,
     processors: usize,
 }
@@ -38,9 +43,7 @@ fn snapshot() -> Option<Snapshot> {
     use procfs::CurrentSI;
     let ticks = procfs::ticks_per_second() as f64;
     let me = std::process::id() as i32;
-    let mut by_side: HashMap<&'static str, f64> = HashMap::new();
-    // Processes that end between two snapshots lose their time: the account then shows less
-    // than was spent, which only makes its ceiling higher, never a false "cannot".
+    let mut processes = HashMap::new();
     for process in procfs::process::all_processes().ok()?.flatten() {
         let Ok(stat) = process.stat() else { continue };
         let name = if stat.pid == me {
@@ -48,7 +51,8 @@ fn snapshot() -> Option<Snapshot> {
         } else {
             side(&stat.comm)
         };
-        *by_side.entry(name).or_default() += (stat.utime + stat.stime) as f64 / ticks;
+        let spent = (stat.utime + stat.stime) as f64 / ticks;
+        processes.insert((stat.pid, stat.starttime), (name, spent));
     }
     let stats = procfs::KernelStats::current().ok()?;
     let total = stats.total;
@@ -59,7 +63,7 @@ fn snapshot() -> Option<Snapshot> {
         + total.softirq.unwrap_or(0)
         + total.steal.unwrap_or(0);
     Some(Snapshot {
-        by_side,
+        processes,
         machine_busy: busy as f64 / ticks,
         processors: stats.cpu_time.len().max(1),
     })
@@ -87,17 +91,14 @@ impl CpuClock {
     pub fn stop(self) -> Option<CpuAccount> {
         let seconds = self.started.elapsed().as_secs_f64();
         let (start, end) = (self.start?, snapshot()?);
-        let by_side = end
-            .by_side
-            .iter()
-            .map(|(side, spent)| {
-                let before = start.by_side.get(side).copied().unwrap_or(0.0);
-                (*side, (spent - before).max(0.0))
-            })
-            .collect();
+        let mut by_side: HashMap<&'static str, f64> = HashMap::new();
+        for (process, (side, spent)) in &end.processes {
+            // Started inside the window: all its time is.
+            let before = start.processes.get(process).map_or(0.0, |(_, s)| *s);
+            *by_side.entry(side).or_default() += (spent - before).max(0.0);
+        }
         Some(CpuAccount {
             seconds,
-            cores: std::thread::available_parallelism().map_or(1, usize::from) as f64,
             processors: end.processors as f64,
             by_side,
             machine_busy: (end.machine_busy - start.machine_busy).max(0.0),
@@ -109,10 +110,8 @@ impl CpuClock {
 pub struct CpuAccount {
     /// The mode's wall-clock seconds.
     pub seconds: f64,
-    /// The cores this process may use: the ceiling's.
-    pub cores: f64,
-    /// The processors `/proc/stat` counts: the busy share's.
-    processors: f64,
+    /// The processors `/proc/stat` counts.
+    pub processors: f64,
     by_side: HashMap<&'static str, f64>,
     machine_busy: f64,
 }
@@ -144,28 +143,34 @@ impl CpuAccount {
         self.spent(side) / rows.max(1) as f64 * 1e6
     }
 
-    /// The rate the machine allows at most, if each row costs what `sides` spent on it here:
-    /// `cores / (their CPU seconds per row)`.
-    pub fn ceiling(&self, sides: &[&str], rows: usize) -> f64 {
+    /// The rate the machine allows at most if each row costs what `sides` spent on it here:
+    /// `processors / (their CPU seconds per row)`. `None` when a side shows under a tenth of a
+    /// second (ten clock ticks), too little to divide by.
+    pub fn ceiling(&self, sides: &[&str], rows: usize) -> Option<f64> {
+        if sides.iter().any(|side| self.spent(side) < 0.1) {
+            return None;
+        }
         let per_row: f64 = sides.iter().map(|s| self.spent(s)).sum::<f64>() / rows.max(1) as f64;
-        self.cores / per_row.max(1e-12)
+        Some(self.processors / per_row)
     }
 
     /// The account as the JSON output's `cpu` object.
     pub fn json(&self, rows: usize) -> serde_json::Value {
-        let mut per_row = serde_json::Map::new();
         let mut sides: Vec<_> = self.by_side.keys().collect();
         sides.sort();
-        for side in sides {
-            per_row.insert(
-                (*side).to_owned(),
-                serde_json::json!(self.per_row_us(side, rows)),
-            );
-        }
+        let per_row: serde_json::Map<_, _> = sides
+            .into_iter()
+            .map(|side| {
+                (
+                    (*side).to_owned(),
+                    serde_json::json!(self.per_row_us(side, rows)),
+                )
+            })
+            .collect();
         serde_json::json!({
             "us_per_row": per_row,
             "machine_busy": self.busy(),
-            "cores": self.cores,
+            "processors": self.processors,
         })
     }
 }

@@ -368,8 +368,9 @@ pub trait OutboxStore: InboxStore + Clone {
     async fn claim_outbox(&self, limit: u32, lease: Duration) -> Result<OutboxBatch, StoreError>;
 
     /// Counts per destination, published rows kept for retention included: what `inbox outbox
-    /// stats` shows. Counting the kept rows reads all of them; a loop wants
-    /// [`outbox_pending_stats`](Self::outbox_pending_stats).
+    /// stats` shows, sorted by destination (by bytes). Counting the kept rows reads all of them;
+    /// a loop wants [`outbox_pending_stats`](Self::outbox_pending_stats). Two statements: a row
+    /// published between them may be counted as pending and kept, or as neither.
     async fn outbox_stats(&self) -> Result<Vec<OutboxStats>, StoreError> {
         let mut stats = self.outbox_pending_stats().await?;
         for (destination, kept) in self.outbox_kept().await? {
@@ -387,8 +388,10 @@ pub trait OutboxStore: InboxStore + Clone {
         Ok(stats)
     }
 
-    /// Counts per destination of the rows not published yet (`published_kept` is 0): what a relay samples for its gauges. Read by the indexes of pending and dead rows,
-    /// so that its cost follows the backlog, not the published rows kept for retention.
+    /// Counts per destination of the rows not published yet (`published_kept` is 0; a
+    /// destination with none has no entry): what a relay samples for its gauges. Read by the
+    /// indexes of pending and dead rows, so that its cost follows the backlog, not the published
+    /// rows kept for retention.
     async fn outbox_pending_stats(&self) -> Result<Vec<OutboxStats>, StoreError>;
 
     /// Published rows kept for retention, per destination.
@@ -771,6 +774,11 @@ fn stats(
         oldest_pending_seconds: oldest.map(|s| s.max(0.0)),
     }
 }
+
+/// `outbox_kept` on PostgreSQL and SQLite: by the partial index of published rows.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+const KEPT: &str = "SELECT destination, count(*) FROM outbox_messages
+WHERE published_at IS NOT NULL GROUP BY destination";
 
 /// `outbox_kept`'s rows.
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]

@@ -320,13 +320,10 @@ impl OutboxStore for PostgresStore {
     }
 
     async fn outbox_kept(&self) -> Result<Vec<(String, u64)>, StoreError> {
-        let rows: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT destination, count(*) FROM outbox_messages
-             WHERE published_at IS NOT NULL GROUP BY destination",
-        )
-        .fetch_all(self.pool())
-        .await
-        .map_err(store_error)?;
+        let rows: Vec<(String, i64)> = sqlx::query_as(super::KEPT)
+            .fetch_all(self.pool())
+            .await
+            .map_err(store_error)?;
         Ok(super::kept(rows))
     }
 

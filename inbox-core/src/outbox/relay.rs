@@ -1,5 +1,6 @@
 //! The relay: claims committed outbox rows in batches, publishes them pipelined, marks them.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -96,6 +97,8 @@ impl<S> std::fmt::Debug for Relay<S> {
             .field("lease", &self.lease)
             .field("poll_interval", &self.poll_interval)
             .field("retention", &self.retention)
+            .field("cleanup_interval", &self.cleanup_interval)
+            .field("stats_interval", &self.stats_interval)
             .finish_non_exhaustive()
     }
 }
@@ -159,6 +162,13 @@ impl<S: OutboxStore> Relay<S> {
     /// retention (default 10 s; at least 10 ms).
     pub fn cleanup_interval(mut self, every: Duration) -> Self {
         self.cleanup_interval = every.max(Duration::from_millis(10));
+        self
+    }
+
+    /// How often the relay samples the pending rows' gauges (default 15 s; at least 10 ms): one
+    /// statement reading the rows not published yet, by their indexes.
+    pub fn stats_interval(mut self, every: Duration) -> Self {
+        self.stats_interval = every.max(Duration::from_millis(10));
         self
     }
 
@@ -237,6 +247,7 @@ impl<S: OutboxStore> Relay<S> {
         let mut failures = 0u32;
         let mut next_cleanup = Instant::now();
         let mut next_stats = Instant::now();
+        let mut gauged = HashSet::new();
         while !stop.is_cancelled() {
             match self.run_once_into(&mut report).await {
                 Ok(Batch::Empty) => {
@@ -283,7 +294,7 @@ impl<S: OutboxStore> Relay<S> {
             }
             if Instant::now() >= next_stats {
                 next_stats = Instant::now() + self.stats_interval;
-                self.sample_stats().await;
+                self.sample_stats(&mut gauged).await;
             }
             // Also with no retention: a store may have more to clean than published rows (the
             // lock rows of ordering keys on MySQL).
@@ -434,11 +445,25 @@ impl<S: OutboxStore> Relay<S> {
         })
     }
 
-    /// Samples the per-destination gauges (one query of the rows not published yet; every 15 s
-    /// while the relay runs).
-    async fn sample_stats(&self) {
+    /// Samples the per-destination gauges from the rows not published yet. A destination with
+    /// none has no row in the sample: its gauges, if this relay set them before, go to zero
+    /// (`gauged` holds the destinations of the last sample).
+    async fn sample_stats(&self, gauged: &mut HashSet<String>) {
         match self.outbox.store.outbox_pending_stats().await {
             Ok(stats) => {
+                let now: HashSet<String> = stats.iter().map(|s| s.destination.clone()).collect();
+                for gone in gauged.difference(&now) {
+                    let labels = [("destination", gone.clone())];
+                    for gauge in [
+                        m::PENDING,
+                        m::DEAD_ROWS,
+                        m::BLOCKED_KEYS,
+                        m::OLDEST_PENDING_SECONDS,
+                    ] {
+                        metrics::gauge!(gauge, &labels).set(0.0);
+                    }
+                }
+                *gauged = now;
                 for s in stats {
                     let labels = [("destination", s.destination.clone())];
                     metrics::gauge!(m::PENDING, &labels).set(s.pending as f64);
