@@ -133,7 +133,8 @@ impl CpuAccount {
         self.by_side.get(side).copied().unwrap_or(0.0)
     }
 
-    /// How busy the machine was: 1.0 is every processor all the time.
+    /// How busy the machine was: 1.0 is every processor all the time (counted in clock ticks, so
+    /// a window of a few ticks may read above it).
     pub fn busy(&self) -> f64 {
         self.machine_busy / (self.processors * self.seconds).max(1e-9)
     }
