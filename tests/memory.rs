@@ -1095,8 +1095,8 @@ mod outbox_plans {
     use inbox::outbox::OutboxStore;
     use inbox::{InboxAdmin, PostgresStore};
 
-    /// (rows read, index scans, rows inserted, rows updated) of the outbox table, as far as they
-    /// have arrived.
+    /// (rows read, scans, rows inserted, rows updated) of the outbox table, as far as they have
+    /// arrived.
     async fn counters(store: &PostgresStore) -> (i64, i64, i64, i64) {
         // PERFORM is planned when it runs: older servers never meet the function.
         sqlx::query(
@@ -1110,7 +1110,7 @@ mod outbox_plans {
         .await
         .unwrap();
         sqlx::query_as(
-            "SELECT seq_tup_read + coalesce(idx_tup_fetch, 0), coalesce(idx_scan, 0), n_tup_ins,
+            "SELECT seq_tup_read + coalesce(idx_tup_fetch, 0), seq_scan + coalesce(idx_scan, 0), n_tup_ins,
                n_tup_upd
              FROM pg_stat_user_tables WHERE relname = 'outbox_messages'",
         )
@@ -1161,15 +1161,15 @@ mod outbox_plans {
         .await;
     }
 
-    /// Rows read since `before`, once the index scans of what ran since are counted.
+    /// Rows read since `before`, once the scans of what ran since are counted.
     async fn rows_read_since(
         store: &PostgresStore,
-        (read_before, idx_before, ..): (i64, i64, i64, i64),
+        (read_before, scans_before, ..): (i64, i64, i64, i64),
     ) -> i64 {
-        eventually("the index scans in the table's counters", || async {
+        eventually("the scans in the table's counters", || async {
             match counters(store).await {
-                (_, idx, ..) if idx > idx_before => Ok(()),
-                _ => Err("no index scan counted yet".to_owned()),
+                (_, scans, ..) if scans > scans_before => Ok(()),
+                _ => Err("no scan counted yet".to_owned()),
             }
         })
         .await;
@@ -1243,5 +1243,37 @@ mod outbox_plans {
         // An operator's `outbox stats` counts the kept rows too.
         let all = store.outbox_stats().await.unwrap();
         assert_eq!((all[0].pending, all[0].published_kept), (10, 5000));
+    }
+
+    /// `inbox outbox dead list` and `dead retry --all` on an outbox that keeps its published
+    /// rows: they read the dead rows by their index, not the kept rows (a sequential scan reads
+    /// 5,001 rows here, and the retry as many again).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn dead_rows_are_listed_and_retried_without_reading_the_kept_ones() {
+        let store = &rows_under_empty_statistics(5000).await;
+        for sql in [
+            "UPDATE outbox_messages SET published_at = clock_timestamp()",
+            "INSERT INTO outbox_messages (destination, message_id, ordering_key, payload, attempts, dead_at)
+             VALUES ('backlog', 'dead-1', 'k-dead', '\\x7b7d', 3, clock_timestamp())",
+        ] {
+            sqlx::query(sql).execute(store.pool()).await.unwrap();
+        }
+        written_in_counters(store, 5001, 5000).await;
+        let before = counters(store).await;
+        let dead = store.outbox_dead(100).await.unwrap();
+        let read = rows_read_since(store, before).await;
+        assert_eq!(dead.len(), 1);
+        assert!(
+            read < 100,
+            "`outbox dead list` read {read} rows for one dead row among 5,000 kept"
+        );
+        let before = counters(store).await;
+        assert_eq!(store.outbox_retry(None).await.unwrap(), 1);
+        let read = rows_read_since(store, before).await;
+        assert!(
+            read < 100,
+            "`outbox dead retry --all` read {read} rows for one dead row among 5,000 kept"
+        );
+        assert!(store.outbox_dead(100).await.unwrap().is_empty());
     }
 }

@@ -300,3 +300,70 @@ mod whole_batch_splitting {
         conformance::whole_batches_isolate_the_failing_message(&Memory, &db).await;
     }
 }
+
+/// The outbox's operator statements on a table that keeps its published rows: they read the
+/// rows not published yet, by their index, not the kept ones. InnoDB's handler counters of the
+/// session (one pooled connection) count the rows each statement read.
+mod outbox_plans {
+    use inbox::outbox::OutboxStore;
+    use inbox::{InboxAdmin, MySqlStore};
+
+    use crate::conformance::stores::MySql;
+
+    /// Rows the session's handlers have read so far.
+    async fn rows_read(store: &MySqlStore) -> i64 {
+        let counters: Vec<(String, String)> =
+            sqlx::query_as("SHOW SESSION STATUS LIKE 'Handler_read%'")
+                .fetch_all(store.pool())
+                .await
+                .unwrap();
+        counters
+            .iter()
+            .map(|(_, value)| value.parse::<i64>().unwrap_or(0))
+            .sum()
+    }
+
+    /// A full scan reads 5,001 rows here (and the retry as many again).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn dead_rows_are_listed_and_retried_without_reading_the_kept_ones() {
+        let store = &MySqlStore::connect(&MySql::fresh_url().await, 1)
+            .await
+            .expect("connect MySQL");
+        store.migrate().await.unwrap();
+        // 5,000 kept rows: 0 to 4,999 from four digits (MySQL's recursion depth stops at 1,000).
+        let digit = "(SELECT 0 AS n UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3
+                      UNION ALL SELECT 4 UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7
+                      UNION ALL SELECT 8 UNION ALL SELECT 9)";
+        let kept = format!(
+            "INSERT INTO outbox_messages (destination, message_id, ordering_key, payload, published_at)
+             SELECT 'backlog', CONCAT('m-', g.n), CONCAT('k-', g.n), '{{}}', UTC_TIMESTAMP(6)
+             FROM (SELECT a.n * 1000 + b.n * 100 + c.n * 10 + d.n AS n
+                   FROM {digit} a, {digit} b, {digit} c, {digit} d) g
+             WHERE g.n < 5000"
+        );
+        for sql in [
+            kept.as_str(),
+            "INSERT INTO outbox_messages (destination, message_id, ordering_key, payload, attempts, dead_at)
+             VALUES ('backlog', 'dead-1', 'k-dead', '{}', 3, UTC_TIMESTAMP(6))",
+            "ANALYZE TABLE outbox_messages",
+        ] {
+            sqlx::query(sql).execute(store.pool()).await.unwrap();
+        }
+        let before = rows_read(store).await;
+        let dead = store.outbox_dead(100).await.unwrap();
+        let read = rows_read(store).await - before;
+        assert_eq!(dead.len(), 1);
+        assert!(
+            read < 100,
+            "`outbox dead list` read {read} rows for one dead row among 5,000 kept"
+        );
+        let before = rows_read(store).await;
+        assert_eq!(store.outbox_retry(None).await.unwrap(), 1);
+        let read = rows_read(store).await - before;
+        assert!(
+            read < 100,
+            "`outbox dead retry --all` read {read} rows for one dead row among 5,000 kept"
+        );
+        assert!(store.outbox_dead(100).await.unwrap().is_empty());
+    }
+}

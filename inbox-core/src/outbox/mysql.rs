@@ -221,7 +221,8 @@ impl OutboxStore for MySqlStore {
             "SELECT id, CONVERT(destination USING utf8mb4), CONVERT(message_id USING utf8mb4),
                     CONVERT(ordering_key USING utf8mb4), CAST(attempts AS SIGNED), last_error,
                     TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) / 1e6
-             FROM outbox_messages WHERE dead_at IS NOT NULL ORDER BY id LIMIT ?",
+             FROM outbox_messages FORCE INDEX (outbox_messages_pending)
+             WHERE published_at IS NULL AND dead_at IS NOT NULL ORDER BY id LIMIT ?",
         )
         .bind(i64::from(limit))
         .fetch_all(self.pool())
@@ -236,7 +237,7 @@ impl OutboxStore for MySqlStore {
     async fn outbox_retry(&self, ids: Option<&[i64]>) -> Result<u64, StoreError> {
         const RETRY: &str = "UPDATE outbox_messages
              SET dead_at = NULL, attempts = 0, no_routes = 0, available_at = UTC_TIMESTAMP(6)
-             WHERE dead_at IS NOT NULL";
+             WHERE published_at IS NULL AND dead_at IS NOT NULL";
         let done = match ids {
             None => sqlx::query(RETRY).execute(self.pool()).await,
             Some([]) => return Ok(0),

@@ -337,15 +337,19 @@ impl OutboxStore for PostgresStore {
             Option<String>,
             f64,
         );
+        // By `outbox_messages_dead` whatever the statistics say: the table may hold every row
+        // published within the retention window.
+        let mut tx = self.begin_and(PLAN_BY_INDEX).await?;
         let rows: Vec<Row> = sqlx::query_as(
             "SELECT id, destination, message_id, ordering_key, attempts, last_error,
                     EXTRACT(EPOCH FROM clock_timestamp() - created_at)::float8
              FROM outbox_messages WHERE dead_at IS NOT NULL ORDER BY id LIMIT $1",
         )
         .bind(i64::from(limit))
-        .fetch_all(self.pool())
+        .fetch_all(&mut *tx)
         .await
         .map_err(store_error)?;
+        tx.rollback().await.map_err(store_error)?;
         Ok(rows
             .into_iter()
             .map(|(id, d, m, k, a, e, age)| super::dead_row(id, d, m, k, i64::from(a), e, age))
@@ -353,14 +357,17 @@ impl OutboxStore for PostgresStore {
     }
 
     async fn outbox_retry(&self, ids: Option<&[i64]>) -> Result<u64, StoreError> {
+        // As the dead list: by the dead rows' index (or, given ids, the primary key).
+        let mut tx = self.begin_and(PLAN_BY_INDEX).await?;
         let done = sqlx::query(
             "UPDATE outbox_messages SET dead_at = NULL, attempts = 0, no_routes = 0, available_at = clock_timestamp()
              WHERE dead_at IS NOT NULL AND ($1::bigint[] IS NULL OR id = ANY($1))",
         )
         .bind(ids)
-        .execute(self.pool())
+        .execute(&mut *tx)
         .await
         .map_err(store_error)?;
+        tx.commit().await.map_err(store_error)?;
         Ok(done.rows_affected())
     }
 

@@ -197,7 +197,8 @@ impl OutboxStore for SqliteStore {
         let rows: Vec<Row> = sqlx::query_as(concat!(
             "SELECT id, destination, message_id, ordering_key, attempts, last_error, ",
             age_secs!("created_at"),
-            " FROM outbox_messages WHERE dead_at IS NOT NULL ORDER BY id LIMIT $1"
+            " FROM outbox_messages INDEXED BY outbox_messages_pending",
+            " WHERE published_at IS NULL AND dead_at IS NOT NULL ORDER BY id LIMIT $1"
         ))
         .bind(i64::from(limit))
         .fetch_all(self.pool())
@@ -215,9 +216,11 @@ impl OutboxStore for SqliteStore {
             .transpose()
             .map_err(|e| StoreError::Invalid(e.to_string()))?;
         let done = sqlx::query(concat!(
-            "UPDATE outbox_messages SET dead_at = NULL, attempts = 0, no_routes = 0, available_at = ",
+            "UPDATE outbox_messages INDEXED BY outbox_messages_pending",
+            " SET dead_at = NULL, attempts = 0, no_routes = 0, available_at = ",
             now!(),
-            " WHERE dead_at IS NOT NULL AND ($1 IS NULL OR id IN (SELECT value FROM json_each($1)))"
+            " WHERE published_at IS NULL AND dead_at IS NOT NULL",
+            " AND ($1 IS NULL OR id IN (SELECT value FROM json_each($1)))"
         ))
         .bind(ids)
         .execute(self.pool())
