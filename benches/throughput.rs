@@ -91,6 +91,10 @@ struct Args {
     /// `--messages` rows or 5 seconds).
     #[arg(long, default_value_t = 1000)]
     outbox_rate: u64,
+    /// Outbox messages each producer transaction sends (the producer's modes; the parcel row is
+    /// one per transaction whatever this says).
+    #[arg(long, default_value_t = 1)]
+    producer_messages: usize,
     /// Only the outbox's modes.
     #[arg(long)]
     outbox_only: bool,
@@ -1170,21 +1174,26 @@ async fn producer_writes(
                 sqlx::query("INSERT INTO bench_parcels (id, tracking_number) VALUES ($1, $2)")
                     .bind(id.clone())
                     .bind(format!("TRK{i:08}"));
-            let message =
-                OutgoingMessage::new(format!("parcel-created-{id}"), "{}").with_key(id.clone());
+            let messages = (0..args.producer_messages).map(|m| {
+                OutgoingMessage::new(format!("parcel-created-{id}-{m}"), "{}").with_key(id.clone())
+            });
             match producing {
                 Producing::Plain | Producing::Send => {
                     let mut tx = outbox.store().begin().await?;
                     insert.execute(&mut *tx).await?;
                     if producing == Producing::Send {
-                        outbox.send(&mut tx, destination, message).await?;
+                        for message in messages {
+                            outbox.send(&mut tx, destination, message).await?;
+                        }
                     }
                     outbox.store().commit(tx).await?;
                 }
                 Producing::Staged => {
                     let mut tx = outbox.begin().await?;
                     insert.execute(&mut **tx).await?;
-                    tx.send(destination, message)?;
+                    for message in messages {
+                        tx.send(destination, message)?;
+                    }
                     tx.commit().await?;
                 }
             }
@@ -1862,6 +1871,12 @@ async fn bench(args: Args) -> Result<(), Error> {
         "inbox throughput: {} messages per mode, {} in flight, PostgreSQL",
         args.messages, args.concurrency
     );
+    if args.producer_messages != 1 {
+        println!(
+            "producer transactions send {} outbox messages each",
+            args.producer_messages
+        );
+    }
     let mut rows = Vec::new();
     if args.profile {
         for target in targets(args.transport).await? {

@@ -436,6 +436,17 @@ pub struct Staged {
     pub message: OutgoingMessage,
 }
 
+/// The order in which `staged` is written: by destination and key (a stable sort: each key's
+/// rows in the order they were staged).
+pub(crate) fn staged_order(staged: &[Staged]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..staged.len()).collect();
+    order.sort_by(|&a, &b| {
+        let key = |i: usize| (&staged[i].destination, staged[i].message.key.as_deref());
+        key(a).cmp(&key(b))
+    });
+    order
+}
+
 /// Writes `staged` in `tx`, each key's rows in the order they were staged; rows of different
 /// keys sorted by key, so that two transactions sending to the same keys lock them in one order
 /// and cannot deadlock. Returns what was written, in `staged`'s order.
@@ -444,13 +455,8 @@ pub(crate) async fn insert_staged<S: OutboxStore>(
     tx: &mut S::Tx,
     staged: &[Staged],
 ) -> Result<Vec<(i64, bool)>, StoreError> {
-    let mut order: Vec<usize> = (0..staged.len()).collect();
-    order.sort_by(|&a, &b| {
-        let key = |i: usize| (&staged[i].destination, staged[i].message.key.as_deref());
-        key(a).cmp(&key(b))
-    });
     let mut written = vec![(0, false); staged.len()];
-    for i in order {
+    for i in staged_order(staged) {
         let row = &staged[i];
         let key = codec::ordering_key(&row.message)?;
         written[i] = store

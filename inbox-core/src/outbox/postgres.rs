@@ -38,6 +38,21 @@ FROM (SELECT pg_advisory_xact_lock(1768842872, hashtext($1 || chr(1) || $3))) AS
 ON CONFLICT (destination, message_id) DO NOTHING
 RETURNING id";
 
+/// Several staged messages in one statement, one round trip instead of one per message: the
+/// rows in the arrays' order (`staged_order`), each keyed row taking its key's lock before its
+/// id, as in `INSERT_KEYED`. Returns the rows written; a message already there writes nothing.
+const INSERT_MANY: &str = "\
+INSERT INTO outbox_messages (destination, message_id, ordering_key, payload, headers, traceparent)
+SELECT m.destination, m.message_id, m.ordering_key, m.payload, m.headers::jsonb, m.traceparent
+FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::text[])
+  WITH ORDINALITY AS m (destination, message_id, ordering_key, payload, headers, traceparent, n)
+LEFT JOIN LATERAL (
+  SELECT pg_advisory_xact_lock(1768842872, hashtext(m.destination || chr(1) || m.ordering_key))
+  WHERE m.ordering_key IS NOT NULL) AS key_lock ON true
+ORDER BY m.n
+ON CONFLICT (destination, message_id) DO NOTHING
+RETURNING id, destination, message_id";
+
 const INSERT: &str = "\
 INSERT INTO outbox_messages (destination, message_id, payload, headers, traceparent)
 VALUES ($1, $2, $3, $4::jsonb, $5)
@@ -147,6 +162,63 @@ impl BatchClaim for Locked {
     }
 }
 
+/// Writes several staged messages with `INSERT_MANY`; those already in the table (sent before,
+/// or twice in this transaction) then one by one, as `insert_outbox` finds their rows. Returns
+/// what was written, in `staged`'s order.
+async fn insert_many(
+    store: &PostgresStore,
+    tx: &mut PgTx,
+    staged: &[Staged],
+) -> Result<Vec<(i64, bool)>, StoreError> {
+    let order = super::staged_order(staged);
+    let mut destinations = Vec::with_capacity(order.len());
+    let mut message_ids = Vec::with_capacity(order.len());
+    let mut keys = Vec::with_capacity(order.len());
+    let mut payloads = Vec::with_capacity(order.len());
+    let mut headers = Vec::with_capacity(order.len());
+    let mut traces = Vec::with_capacity(order.len());
+    for &i in &order {
+        let row = &staged[i];
+        destinations.push(row.destination.as_str());
+        message_ids.push(row.message_id.as_str());
+        keys.push(super::codec::ordering_key(&row.message)?);
+        payloads.push(row.message.payload.as_ref());
+        headers.push(encode_headers(&row.message.headers));
+        traces.push(traceparent(&row.message));
+    }
+    let inserted: Vec<(i64, String, String)> = sqlx::query_as(INSERT_MANY)
+        .bind(&destinations)
+        .bind(&message_ids)
+        .bind(&keys)
+        .bind(&payloads)
+        .bind(&headers)
+        .bind(&traces)
+        .fetch_all(&mut **tx)
+        .await
+        .map_err(store_error)?;
+    let mut ids: std::collections::HashMap<(&str, &str), i64> = inserted
+        .iter()
+        .map(|(id, destination, message_id)| ((destination.as_str(), message_id.as_str()), *id))
+        .collect();
+    let mut written = vec![(0, false); staged.len()];
+    let mut already = Vec::new();
+    for (&i, key) in order.iter().zip(&keys) {
+        let row = &staged[i];
+        // The first of a message staged twice is the one written.
+        match ids.remove(&(row.destination.as_str(), row.message_id.as_str())) {
+            Some(id) => written[i] = (id, true),
+            None => already.push((i, *key)),
+        }
+    }
+    for (i, key) in already {
+        let row = &staged[i];
+        written[i] = store
+            .insert_outbox(tx, &row.destination, &row.message_id, &row.message, key)
+            .await?;
+    }
+    Ok(written)
+}
+
 /// Records failed publishes: attempts, the reason, the backoff, dead or not.
 async fn record_failures(tx: &mut PgTx, failures: &[PublishFailure]) -> Result<(), sqlx::Error> {
     let ids: Vec<i64> = failures.iter().map(|f| f.id).collect();
@@ -241,7 +313,12 @@ impl OutboxStore for PostgresStore {
             crate::InboxStore::commit(self, tx).await?;
             return Ok(Vec::new());
         }
-        match super::insert_staged(self, &mut tx, staged).await {
+        let written = if staged.len() == 1 {
+            super::insert_staged(self, &mut tx, staged).await
+        } else {
+            insert_many(self, &mut tx, staged).await
+        };
+        match written {
             Ok(written) => {
                 // The writes just succeeded in this transaction, so it is live: PostgreSQL
                 // fails every statement of an aborted one. No statement runs between them and
