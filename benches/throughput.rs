@@ -24,7 +24,7 @@
 //! retention cleanup of ROWS old rows, paced and unpaced (issue 17).
 //!
 //! `cargo bench --bench throughput --all-features -- [--transport memory|rabbitmq|kafka|all]
-//! [--messages N] [--concurrency C] [--outbox-rate R] [--json FILE]`
+//! [--messages N] [--concurrency C] [--outbox-rate R] [--producer-messages M] [--json FILE]`
 //!
 //! Each mode gets a source of its own with N messages published before it starts (the "copies"
 //! modes: each message twice in a row, so that the copies are handled at once); its clock starts

@@ -1277,3 +1277,105 @@ mod outbox_plans {
         assert!(store.outbox_dead(100).await.unwrap().is_empty());
     }
 }
+
+/// The relay's store calls failing, one method at a time (the store wrapped in `FlakyStore`):
+/// its gauges' sample and its retention pass on every call, transiently and permanently, and its
+/// claim three times. Neither sampling nor cleanup is on the publishing path: every row is
+/// published, each once in this otherwise quiet run, and the relay stops cleanly.
+mod outbox_store_faults {
+    use std::collections::HashSet;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use inbox::memory::MemoryBroker;
+    use inbox::outbox::{Outbox, OutboxStore};
+    use inbox::{CancellationToken, OutgoingMessage};
+
+    use crate::conformance::flaky::{Fault, FlakyStore, Method};
+    use crate::conformance::stores::{Postgres, Sqlite};
+    use crate::conformance::{TestDb, eventually};
+
+    async fn the_relay_publishes_through_failing_samples_cleanups_and_claims<S>(inner: S)
+    where
+        S: OutboxStore + Send + Sync + 'static,
+    {
+        let store = FlakyStore::new(inner);
+        store.inject(
+            Method::OutboxPendingStats,
+            None,
+            Fault::Unavailable,
+            u32::MAX,
+        );
+        store.inject(Method::OutboxCleanup, None, Fault::Refused, u32::MAX);
+        store.inject(Method::ClaimOutbox, None, Fault::Unavailable, 3);
+        let outbox = Outbox::new(store.clone()).signal_other_processes(false);
+        let broker = Arc::new(MemoryBroker::new());
+        let relay = outbox
+            .relay(broker.clone())
+            .stats_interval(Duration::from_millis(10))
+            .cleanup_interval(Duration::from_millis(10))
+            .retry_delays(Duration::from_millis(10), Duration::from_millis(50))
+            .poll_interval(Duration::from_millis(50));
+        let stop = CancellationToken::new();
+        let running = {
+            let stop = stop.clone();
+            tokio::spawn(async move { relay.run(stop).await })
+        };
+        for t in 0..4 {
+            let mut tx = outbox.begin().await.unwrap();
+            for i in 0..5 {
+                let message =
+                    OutgoingMessage::new(format!("f-{t}-{i}"), "{}").with_key(format!("k{i}"));
+                tx.send("faults", message).unwrap();
+            }
+            tx.commit().await.unwrap();
+        }
+        eventually("the 20 rows published", || async {
+            match broker.messages("faults").len() {
+                20.. => Ok(()),
+                n => Err(format!("{n} published")),
+            }
+        })
+        .await;
+        let fired = |method: Method| {
+            let fired = store.fired();
+            fired.iter().filter(|(m, _)| *m == method).count()
+        };
+        eventually(
+            "the sample and the cleanup failing again and again",
+            || async {
+                match (
+                    fired(Method::OutboxPendingStats),
+                    fired(Method::OutboxCleanup),
+                ) {
+                    (s, c) if s >= 3 && c >= 3 => Ok(()),
+                    (s, c) => Err(format!("{s} samples and {c} cleanups failed so far")),
+                }
+            },
+        )
+        .await;
+        assert_eq!(fired(Method::ClaimOutbox), 3);
+        stop.cancel();
+        let report = running.await.unwrap().expect("the relay stops cleanly");
+        assert_eq!(report.published, 20);
+        let published = broker.messages("faults");
+        let ids: HashSet<_> = published.iter().map(|m| m.message_id.clone()).collect();
+        assert_eq!((published.len(), ids.len()), (20, 20), "each row once");
+        let left = store
+            .claim_outbox(100, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert!(left.rows.is_empty(), "every row marked");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn on_postgres() {
+        the_relay_publishes_through_failing_samples_cleanups_and_claims(Postgres.store().await)
+            .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn on_sqlite() {
+        the_relay_publishes_through_failing_samples_cleanups_and_claims(Sqlite.store().await).await;
+    }
+}

@@ -9,6 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use futures::stream::BoxStream;
+use inbox::OutgoingMessage;
+use inbox::outbox::{OutboxBatch, OutboxDeadRow, OutboxStats, OutboxStore, Staged};
 use inbox::store::{Claim, ConsumerStats, DeadLetter, OffsetClaim};
 use inbox::{
     CleanupPace, CleanupReport, ConsumerName, InboxAdmin, InboxStore, MessageId, StoreError,
@@ -47,6 +50,16 @@ pub enum Method {
     ClaimOffsets,
     /// `set_next_offset`: a batch's partition offset set back to its first unfinished record.
     SetNextOffset,
+    /// `insert_outbox`: an outbox row written at once (`Outbox::send`).
+    InsertOutbox,
+    /// `commit_outbox`: an `OutboxTx`'s staged rows written and committed (a lost reply: applied).
+    CommitOutbox,
+    /// `claim_outbox`: a relay's batch.
+    ClaimOutbox,
+    /// `outbox_pending_stats`: a relay's sample for its gauges.
+    OutboxPendingStats,
+    /// `outbox_cleanup`: a relay's retention pass.
+    OutboxCleanup,
 }
 
 /// What an injected fault does.
@@ -423,5 +436,88 @@ impl<S: InboxAdmin> InboxAdmin for FlakyStore<S> {
     async fn count_expired(&self, older_than: Duration) -> Result<u64, StoreError> {
         self.check()?;
         self.inner.count_expired(older_than).await
+    }
+}
+
+/// The outbox's store methods, with faults on those a relay or a producer calls in its loop;
+/// the operator's pass through (failing only while the database is off).
+#[async_trait]
+impl<S: OutboxStore> OutboxStore for FlakyStore<S> {
+    async fn insert_outbox(
+        &self,
+        tx: &mut S::Tx,
+        destination: &str,
+        message_id: &str,
+        message: &OutgoingMessage,
+        ordering_key: Option<&str>,
+    ) -> Result<(i64, bool), StoreError> {
+        self.enter(Method::InsertOutbox, None)?;
+        self.inner
+            .insert_outbox(tx, destination, message_id, message, ordering_key)
+            .await
+    }
+
+    async fn commit_outbox(
+        &self,
+        tx: S::Tx,
+        staged: &[Staged],
+    ) -> Result<Vec<(i64, bool)>, StoreError> {
+        self.check()?;
+        match self.fault(Method::CommitOutbox, None) {
+            None => self.inner.commit_outbox(tx, staged).await,
+            Some(Fault::CommitAppliedReplyLost) => {
+                self.inner.commit_outbox(tx, staged).await?;
+                Err(error_of(Fault::CommitAppliedReplyLost))
+            }
+            Some(fault) => {
+                let _ = self.inner.rollback(tx).await;
+                Err(error_of(fault))
+            }
+        }
+    }
+
+    async fn claim_outbox(&self, limit: u32, lease: Duration) -> Result<OutboxBatch, StoreError> {
+        self.enter(Method::ClaimOutbox, None)?;
+        self.inner.claim_outbox(limit, lease).await
+    }
+
+    async fn outbox_pending_stats(&self) -> Result<Vec<OutboxStats>, StoreError> {
+        self.enter(Method::OutboxPendingStats, None)?;
+        self.inner.outbox_pending_stats().await
+    }
+
+    async fn outbox_kept(&self) -> Result<Vec<(String, u64)>, StoreError> {
+        self.check()?;
+        self.inner.outbox_kept().await
+    }
+
+    async fn outbox_dead(&self, limit: u32) -> Result<Vec<OutboxDeadRow>, StoreError> {
+        self.check()?;
+        self.inner.outbox_dead(limit).await
+    }
+
+    async fn outbox_retry(&self, ids: Option<&[i64]>) -> Result<u64, StoreError> {
+        self.check()?;
+        self.inner.outbox_retry(ids).await
+    }
+
+    async fn outbox_skip(&self, ids: &[i64]) -> Result<u64, StoreError> {
+        self.check()?;
+        self.inner.outbox_skip(ids).await
+    }
+
+    async fn outbox_cleanup(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError> {
+        self.enter(Method::OutboxCleanup, None)?;
+        self.inner.outbox_cleanup(older_than, limit).await
+    }
+
+    async fn signal_relays(&self) -> Result<(), StoreError> {
+        self.check()?;
+        self.inner.signal_relays().await
+    }
+
+    async fn relay_signals(&self) -> Result<Option<BoxStream<'static, ()>>, StoreError> {
+        self.check()?;
+        self.inner.relay_signals().await
     }
 }
