@@ -1368,10 +1368,64 @@ mod outbox_store_faults {
         assert!(left.rows.is_empty(), "every row marked");
     }
 
+    /// An `OutboxTx` whose `COMMIT` was applied and whose reply was lost: the caller sees a
+    /// transient error and runs its transaction again with the same message ids (what an
+    /// idempotent API does with a client's retry). The retry writes nothing; each message is
+    /// published once.
+    async fn a_lost_commit_reply_retried_writes_each_message_once<S>(inner: S)
+    where
+        S: OutboxStore + Send + Sync + 'static,
+    {
+        let store = FlakyStore::new(inner);
+        store.inject(Method::CommitOutbox, None, Fault::CommitAppliedReplyLost, 1);
+        let outbox = Outbox::new(store.clone()).signal_other_processes(false);
+        let mut attempts = 0;
+        let sent = loop {
+            attempts += 1;
+            let mut tx = outbox.begin().await.unwrap();
+            for i in 0..3 {
+                let message = OutgoingMessage::new(format!("r-{i}"), "{}").with_key("k");
+                tx.send("lost-reply", message).unwrap();
+            }
+            match tx.commit().await {
+                Ok(sent) => break sent,
+                Err(e) => {
+                    assert!(e.is_transient(), "a lost reply is transient: {e}");
+                    assert!(attempts < 3, "{e}");
+                }
+            }
+        };
+        assert_eq!(attempts, 2);
+        assert_eq!(store.fired().len(), 1, "{:?}", store.fired());
+        assert!(
+            sent.iter().all(|s| !s.written),
+            "the retry finds the rows the lost commit wrote: {sent:?}"
+        );
+        let broker = Arc::new(MemoryBroker::new());
+        let relay = outbox.relay(broker.clone());
+        while relay.run_once().await.unwrap() > 0 {}
+        let published: Vec<_> = broker
+            .messages("lost-reply")
+            .into_iter()
+            .map(|m| m.message_id.unwrap_or_default())
+            .collect();
+        assert_eq!(published, ["r-0", "r-1", "r-2"]);
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn on_postgres() {
         the_relay_publishes_through_failing_samples_cleanups_and_claims(Postgres.store().await)
             .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lost_commit_reply_on_postgres() {
+        a_lost_commit_reply_retried_writes_each_message_once(Postgres.store().await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lost_commit_reply_on_sqlite() {
+        a_lost_commit_reply_retried_writes_each_message_once(Sqlite.store().await).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
