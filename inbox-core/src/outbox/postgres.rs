@@ -40,7 +40,9 @@ RETURNING id";
 
 /// Several staged messages in one statement, one round trip instead of one per message: the
 /// rows in the arrays' order (`staged_order`), each keyed row taking its key's lock before its
-/// id, as in `INSERT_KEYED`. Returns the rows written; a message already there writes nothing.
+/// id, as in `INSERT_KEYED` (the lateral subquery runs once per row: a volatile call keeps the
+/// planner from pulling it up, and a left join it cannot prove unique from removing it).
+/// Returns the rows written; a message already there writes nothing.
 const INSERT_MANY: &str = "\
 INSERT INTO outbox_messages (destination, message_id, ordering_key, payload, headers, traceparent)
 SELECT m.destination, m.message_id, m.ordering_key, m.payload, m.headers::jsonb, m.traceparent
@@ -162,9 +164,18 @@ impl BatchClaim for Locked {
     }
 }
 
+/// The most payload bytes written in one statement: one array value must stay under
+/// PostgreSQL's 1 GB; bigger sets go a row at a time.
+const MANY_BYTES: usize = 64 << 20;
+
 /// Writes several staged messages with `INSERT_MANY`; those already in the table (sent before,
 /// or twice in this transaction) then one by one, as `insert_outbox` finds their rows. Returns
 /// what was written, in `staged`'s order.
+///
+/// One difference from writing a row at a time: a message already there whose row is published
+/// and deleted before that second pass is written again after the key's other new rows, not
+/// between them. It is a copy of a message already published, which the consumer's inbox
+/// discards.
 async fn insert_many(
     store: &PostgresStore,
     tx: &mut PgTx,
@@ -204,7 +215,7 @@ async fn insert_many(
     let mut already = Vec::new();
     for (&i, key) in order.iter().zip(&keys) {
         let row = &staged[i];
-        // The first of a message staged twice is the one written.
+        // Of a message staged twice, the first in the order written is the one written.
         match ids.remove(&(row.destination.as_str(), row.message_id.as_str())) {
             Some(id) => written[i] = (id, true),
             None => already.push((i, *key)),
@@ -313,7 +324,8 @@ impl OutboxStore for PostgresStore {
             crate::InboxStore::commit(self, tx).await?;
             return Ok(Vec::new());
         }
-        let written = if staged.len() == 1 {
+        let bytes: usize = staged.iter().map(|s| s.message.payload.len()).sum();
+        let written = if staged.len() == 1 || bytes > MANY_BYTES {
             super::insert_staged(self, &mut tx, staged).await
         } else {
             insert_many(self, &mut tx, staged).await
@@ -434,7 +446,7 @@ impl OutboxStore for PostgresStore {
     }
 
     async fn outbox_retry(&self, ids: Option<&[i64]>) -> Result<u64, StoreError> {
-        // As the dead list: by the dead rows' index (or, given ids, the primary key).
+        // As the dead list: by the dead rows' index, ids given or not.
         let mut tx = self.begin_and(PLAN_BY_INDEX).await?;
         let done = sqlx::query(
             "UPDATE outbox_messages SET dead_at = NULL, attempts = 0, no_routes = 0, available_at = clock_timestamp()
