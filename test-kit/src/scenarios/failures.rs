@@ -51,11 +51,18 @@ pub async fn failing_handler_is_retried_then_succeeds<D: TestDb>(
             calls == 3 || (whole && calls > 3 && calls <= 3 + crate::WHOLE_BATCH_EXTRA_CALLS),
             "{id}: {calls} calls"
         );
-        let row = s.db.row(&s.store, &name, id).await.expect("row");
-        assert!(row.processed && !row.dead, "{row:?}");
         // By offsets alone a failure inside a batch has no row to be counted in (one would
-        // never be finished): only the failures the message has on its own count.
+        // never be finished): only the failures the message has on its own count. With a batch
+        // handler, a record that failed only in batches (its batch, then alone) and then
+        // succeeded has no row at all — its offset is its record. Which ones those are depends
+        // on how the broker splits the records into polls: a partition's first record since the
+        // assignment, and the rest of its poll, go the per-message way, with a row.
         let uncounted_in_batch = crate::batched() && crate::dedup() == inbox::Dedup::Offsets;
+        let Some(row) = s.db.row(&s.store, &name, id).await else {
+            assert!(whole && uncounted_in_batch, "{id}: no inbox row");
+            continue;
+        };
+        assert!(row.processed && !row.dead, "{row:?}");
         assert!(
             row.attempts == 2 || ((whole || uncounted_in_batch) && row.attempts < 2),
             "{id}: {row:?}"
