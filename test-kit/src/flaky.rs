@@ -203,6 +203,33 @@ impl<S> FlakyStore<S> {
     }
 }
 
+impl<S: InboxStore> FlakyStore<S> {
+    /// Ends `tx` by `commit` (`method`'s call), or with its fault: rolled back, or — a lost
+    /// reply — committed and then failed.
+    async fn commit_with<T, F>(
+        &self,
+        method: Method,
+        tx: S::Tx,
+        commit: impl FnOnce(S::Tx) -> F,
+    ) -> Result<T, StoreError>
+    where
+        F: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        self.check()?;
+        match self.fault(method, None) {
+            None => commit(tx).await,
+            Some(Fault::CommitAppliedReplyLost) => {
+                commit(tx).await?;
+                Err(error_of(Fault::CommitAppliedReplyLost))
+            }
+            Some(fault) => {
+                let _ = self.inner.rollback(tx).await;
+                Err(error_of(fault))
+            }
+        }
+    }
+}
+
 fn error_of(fault: Fault) -> StoreError {
     match fault {
         Fault::Unavailable => StoreError::Unavailable("injected: connection lost".into()),
@@ -335,18 +362,8 @@ impl<S: InboxStore> InboxStore for FlakyStore<S> {
     }
 
     async fn commit(&self, tx: S::Tx) -> Result<(), StoreError> {
-        self.check()?;
-        match self.fault(Method::Commit, None) {
-            None => self.inner.commit(tx).await,
-            Some(Fault::CommitAppliedReplyLost) => {
-                self.inner.commit(tx).await?;
-                Err(error_of(Fault::CommitAppliedReplyLost))
-            }
-            Some(fault) => {
-                let _ = self.inner.rollback(tx).await;
-                Err(error_of(fault))
-            }
-        }
+        self.commit_with(Method::Commit, tx, |tx| self.inner.commit(tx))
+            .await
     }
 
     async fn rollback(&self, tx: S::Tx) -> Result<(), StoreError> {
@@ -462,18 +479,10 @@ impl<S: OutboxStore> OutboxStore for FlakyStore<S> {
         tx: S::Tx,
         staged: &[Staged],
     ) -> Result<Vec<(i64, bool)>, StoreError> {
-        self.check()?;
-        match self.fault(Method::CommitOutbox, None) {
-            None => self.inner.commit_outbox(tx, staged).await,
-            Some(Fault::CommitAppliedReplyLost) => {
-                self.inner.commit_outbox(tx, staged).await?;
-                Err(error_of(Fault::CommitAppliedReplyLost))
-            }
-            Some(fault) => {
-                let _ = self.inner.rollback(tx).await;
-                Err(error_of(fault))
-            }
-        }
+        self.commit_with(Method::CommitOutbox, tx, |tx| {
+            self.inner.commit_outbox(tx, staged)
+        })
+        .await
     }
 
     async fn claim_outbox(&self, limit: u32, lease: Duration) -> Result<OutboxBatch, StoreError> {
